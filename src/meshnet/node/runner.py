@@ -1,0 +1,64 @@
+"""The shard-runner seam: what `/forward` calls, and a fake that needs no model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+import torch
+
+from meshnet.errors import SessionError
+from meshnet.types import LayerSpan, ModelId, SessionId
+from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
+
+
+class ShardRunner(Protocol):
+    """Runs one span of one model for many sessions, each with its own cache."""
+
+    model: ModelId
+    span: LayerSpan
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [batch, tokens, hidden] bf16 at `meta.position` -> same shape, bf16."""
+        ...
+
+    def drop(self, session: SessionId) -> bool:
+        """Forget a session's cache; True when it existed."""
+        ...
+
+    def session_count(self) -> int: ...
+
+
+class EchoRunner:
+    """A fake runner: returns its input, but keeps the session contract of a real one.
+
+    Each session must continue where it stopped (position == tokens seen so far) and chunk
+    sequences must be well-formed; a refused call changes nothing.
+    """
+
+    def __init__(self, model: ModelId, span: LayerSpan, max_sessions: int = 1024) -> None:
+        self.model = model
+        self.span = span
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[SessionId, tuple[int, ChunkState | None]] = OrderedDict()
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        length, chunks = self._sessions.get(meta.session, (0, None))
+        if meta.position != length:
+            raise SessionError(
+                f"session {meta.session} holds {length} tokens; a call at "
+                f"position {meta.position} does not continue it",
+                field="position",
+            )
+        state = next_chunk_state(chunks, meta.chunk_index, meta.chunk_total)
+        self._sessions[meta.session] = (length + hidden.shape[1], state)
+        self._sessions.move_to_end(meta.session)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return hidden
+
+    def drop(self, session: SessionId) -> bool:
+        return self._sessions.pop(session, None) is not None
+
+    def session_count(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,71 @@
+"""Shared value types: the half-open layer span and typed identifiers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NewType
+
+NodeId = NewType("NodeId", str)
+SessionId = NewType("SessionId", str)
+ModelId = NewType("ModelId", str)
+
+# Session and node ids travel in headers and URLs: keep them to a safe, bounded alphabet.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_valid_id(value: str) -> bool:
+    """True when `value` can be used as a session, node or model id."""
+    return bool(_ID_RE.match(value))
+
+
+@dataclass(frozen=True, order=True)
+class LayerSpan:
+    """Transformer layers `[start, end)`: start included, end excluded, never empty."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start < self.end):
+            raise ValueError(f"a layer span needs 0 <= start < end, got [{self.start}, {self.end})")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.start, self.end))
+
+    def contains(self, layer: int) -> bool:
+        """True when `layer` is one of this span's layers."""
+        return self.start <= layer < self.end
+
+    def covers(self, other: LayerSpan) -> bool:
+        """True when every layer of `other` is in this span."""
+        return self.start <= other.start and other.end <= self.end
+
+    def overlaps(self, other: LayerSpan) -> bool:
+        return self.start < other.end and other.start < self.end
+
+    def split(self, parts: int) -> list[LayerSpan]:
+        """Cut into `parts` contiguous spans whose lengths differ by at most one."""
+        if not 1 <= parts <= len(self):
+            raise ValueError(f"cannot split {self} ({len(self)} layers) into {parts} parts")
+        base, extra = divmod(len(self), parts)
+        spans, start = [], self.start
+        for i in range(parts):
+            end = start + base + (1 if i < extra else 0)
+            spans.append(LayerSpan(start, end))
+            start = end
+        return spans
+
+    @classmethod
+    def parse(cls, text: str) -> LayerSpan:
+        """Parse `"start:end"` (the header and CLI form)."""
+        parts = text.strip().split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"expected a layer span 'start:end' with integers, got {text!r}")
+        return cls(int(parts[0]), int(parts[1]))

@@ -1,0 +1,97 @@
+"""`POST /forward` over HTTP: good frames pass, bad ones get a JSON 4xx and change nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import zstandard
+
+from meshnet.config import WireLimits
+from meshnet.node.app import create_app
+from meshnet.node.runner import EchoRunner
+from meshnet.types import LayerSpan, ModelId, SessionId
+from meshnet.wire import FrameMeta, decode, encode
+from meshnet.wire import headers as h
+from tests.conftest import run
+
+SPAN = LayerSpan(0, 10)
+META = FrameMeta(SessionId("s1"), ModelId("default"), SPAN, position=0)
+GOOD = encode(torch.randn(1, 4, 16), META)
+
+
+async def post(app: object, headers: dict[str, str], body: bytes) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        return await client.post("/forward", headers=headers, content=body)
+
+
+def with_header(name: str, value: str) -> dict[str, str]:
+    return {**GOOD.headers, name: value}
+
+
+BAD = [
+    (with_header(h.SHAPE, "1,4"), bytes(GOOD.body), 400, h.SHAPE),
+    (with_header(h.DTYPE, "float32"), bytes(GOOD.body), 400, h.DTYPE),
+    (dict(GOOD.headers), bytes(GOOD.body)[:-2], 400, "body"),
+    (with_header(h.ENCODING, "brotli"), bytes(GOOD.body), 415, h.ENCODING),
+    (with_header(h.CHUNK_INDEX, "1"), bytes(GOOD.body), 400, h.CHUNK_INDEX),
+    (with_header(h.VERSION, "99"), bytes(GOOD.body), 400, h.VERSION),
+    (with_header(h.LAYERS, "0:11"), bytes(GOOD.body), 400, h.LAYERS),
+    (with_header(h.MODEL, "other"), bytes(GOOD.body), 400, h.LAYERS),
+    (with_header(h.POSITION, "3"), bytes(GOOD.body), 409, "position"),
+    (
+        {**with_header(h.ENCODING, "zstd"), h.SHAPE: "1,1,16"},
+        zstandard.ZstdCompressor(level=19).compress(bytes(1 << 26)),
+        413,
+        "body",
+    ),
+    (with_header(h.SHAPE, "1,4,1000000"), bytes(GOOD.body), 413, h.SHAPE),
+]
+
+
+@pytest.mark.parametrize(("headers", "body", "status", "field"), BAD)
+def test_bad_frames_get_json_errors_and_change_nothing(
+    headers: dict[str, str], body: bytes, status: int, field: str
+) -> None:
+    runner = EchoRunner(ModelId("default"), SPAN)
+    app = create_app(runner, WireLimits(max_body_bytes=1 << 20, max_tensor_bytes=1 << 20))
+    response = run(post(app, headers, body))
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"]
+    assert response.headers[h.VERSION] == h.WIRE_VERSION  # the receiver's own version
+    assert runner.session_count() == 0  # nothing kept from the refused request
+    assert run(post(app, GOOD.headers, bytes(GOOD.body))).status_code == 200
+
+
+def test_body_over_the_limit_is_refused_before_reading_it() -> None:
+    app = create_app(EchoRunner(ModelId("default"), SPAN), WireLimits(max_body_bytes=64))
+    response = run(post(app, GOOD.headers, bytes(GOOD.body)))
+    assert response.status_code == 413
+    assert response.json()["error"]["field"] == "body"
+
+
+def test_good_frame_round_trips_through_http() -> None:
+    app = create_app(EchoRunner(ModelId("default"), SPAN))
+    x = torch.randn(1, 200, 576)
+    frame = encode(x, META)
+    response = run(post(app, frame.headers, bytes(frame.body)))
+    assert response.status_code == 200
+    assert response.headers[h.ENCODING] == "zstd-shuffle"
+    meta, y = decode(response.headers, response.content)
+    assert meta == META
+    assert torch.equal(y, x.to(torch.bfloat16))
+
+
+def test_chunk_totals_must_stay_consistent_within_a_session() -> None:
+    app = create_app(EchoRunner(ModelId("default"), SPAN))
+    x = torch.randn(1, 2, 16)
+    first = encode(x, FrameMeta(META.session, META.model, SPAN, 0, 0, 3))
+    assert run(post(app, first.headers, bytes(first.body))).status_code == 200
+    wrong = encode(x, FrameMeta(META.session, META.model, SPAN, 2, 1, 4))
+    response = run(post(app, wrong.headers, bytes(wrong.body)))
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == h.CHUNK_TOTAL
+    right = encode(x, FrameMeta(META.session, META.model, SPAN, 2, 1, 3))
+    assert run(post(app, right.headers, bytes(right.body))).status_code == 200

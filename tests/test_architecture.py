@@ -1,0 +1,43 @@
+"""Import-boundary rules: the package tree is the architecture."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "meshnet"
+HTTP_FRAMEWORKS = ("starlette", "fastapi", "httpx", "uvicorn", "aiohttp")
+
+
+def modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return {name.split(".")[0] for name in out.stdout.split()}
+
+
+def test_wire_imports_no_http_framework() -> None:
+    loaded = modules_after_import("meshnet.wire")
+    assert not loaded & set(HTTP_FRAMEWORKS)
+
+
+@pytest.mark.parametrize("module", ["meshnet.types", "meshnet.errors", "meshnet.config"])
+def test_base_modules_import_nothing_heavy(module: str) -> None:
+    assert not modules_after_import(module) & {"torch", "numpy", *HTTP_FRAMEWORKS}
+
+
+def test_no_source_file_outgrows_400_lines() -> None:
+    long = {p.name: n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long
+
+
+def test_no_print_in_library_code() -> None:
+    allowed = {"cli.py", "demo.py"}  # the terminal front ends
+    offenders = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p.name not in allowed and "print(" in p.read_text()
+    ]
+    assert not offenders
