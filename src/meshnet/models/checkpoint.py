@@ -1,0 +1,119 @@
+"""Read single tensors from checkpoints, by Hugging Face name, one at a time.
+
+`SafetensorsCheckpoint` opens `model.safetensors` or the shards of an index lazily;
+`GgufCheckpoint` dequantizes one GGUF tensor at a time and undoes llama.cpp's q/k permutation.
+Neither ever materialises the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from meshnet.errors import ModelError
+from meshnet.models.registry import Architecture
+from meshnet.models.spec import ModelSpec
+
+
+class Checkpoint(Protocol):
+    """Tensors by Hugging Face name."""
+
+    def has(self, name: str) -> bool: ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor (any float dtype, CPU); raises `ModelError` when absent."""
+        ...
+
+
+class SafetensorsCheckpoint:
+    """A folder with `model.safetensors` or `model.safetensors.index.json` and its shards."""
+
+    def __init__(self, folder: Path, files: dict[str, str]) -> None:
+        self.folder = folder
+        self.files = files  # tensor name -> file name in `folder`
+        self._open: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, folder: Path) -> SafetensorsCheckpoint:
+        return cls(folder, safetensors_index(folder))
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise ModelError(f"tensor {name!r} is missing from the checkpoint in {self.folder}")
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        tensor: torch.Tensor = self._open[file].get_tensor(name)
+        return tensor
+
+
+def safetensors_index(folder: Path) -> dict[str, str]:
+    """Tensor name -> file, from the index or from the single file's header."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return weight_map
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise ModelError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    with single.open("rb") as f:  # header: 8-byte little-endian length, then JSON
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: single.name for name in header if name != "__metadata__"}
+
+
+@lru_cache(maxsize=4)
+def gguf_reader(path: Path) -> Any:
+    """The memory-mapped reader of a GGUF file (parsing its vocabulary takes seconds)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """All GGUF metadata as plain Python values."""
+    reader = gguf_reader(path)
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+class GgufCheckpoint:
+    """A GGUF file read per tensor: dequantized to float32 and renamed to HF names."""
+
+    def __init__(self, path: Path, arch: Architecture, spec: ModelSpec) -> None:
+        self.path = path
+        self.arch = arch
+        self.spec = spec
+        self.tensors = {t.name: t for t in gguf_reader(path).tensors}
+
+    def has(self, name: str) -> bool:
+        return self.arch.gguf_name(name)[0] in self.tensors
+
+    def read(self, name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        gguf_name, permute = self.arch.gguf_name(name)
+        if gguf_name not in self.tensors:
+            raise ModelError(f"tensor {gguf_name!r} ({name}) is missing from {self.path.name}")
+        tensor = self.tensors[gguf_name]
+        values = dequantize(tensor.data, tensor.tensor_type)  # float32, [out, in] torch order
+        if permute is not None:
+            heads = self.spec.num_heads if permute == "q" else self.spec.num_kv_heads
+            values = unpermute_rope(values, heads)
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # own, writable copy
+
+
+def unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in q/k rows: [out, ...] -> [out, ...]."""
+    half = weight.shape[0] // heads // 2
+    return (weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))

@@ -1,0 +1,89 @@
+"""Weight quantization: fp32, bf16, int8 (bitsandbytes `Linear8bitLt`), nf4 (`Linear4bit`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+QUANTS = ("fp32", "bf16", "int8", "nf4")
+NF4_BLOCK = 64  # weights per absmax scale
+
+
+def bf16_is_fast() -> bool:
+    """CUDA, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
+    if torch.cuda.is_available():
+        return True
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_quant() -> str:
+    return "bf16" if bf16_is_fast() else "fp32"
+
+
+def compute_dtype(quant: str) -> torch.dtype:
+    """The dtype a shard computes in: fp32 for fp32 weights, else bf16 where it is fast."""
+    if quant == "fp32":
+        return torch.float32
+    if quant == "bf16":
+        return torch.bfloat16
+    return torch.bfloat16 if bf16_is_fast() else torch.float32
+
+
+def check_quant(quant: str) -> str:
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}; choose one of {QUANTS}")
+    return quant
+
+
+def quantize_layer(layer: nn.Module, quant: str) -> nn.Module:
+    """Cast `layer` to its compute dtype and, for int8/nf4, swap its linear weights."""
+    layer = layer.to(compute_dtype(quant))
+    if quant in ("int8", "nf4"):
+        _swap_linears(layer, quant)
+    return layer
+
+
+def _swap_linears(module: nn.Module, quant: str) -> None:
+    for name, child in module.named_children():
+        weight = _linear_weight(child)
+        if weight is None:
+            _swap_linears(child, quant)
+            continue
+        bias = getattr(child, "bias", None)
+        setattr(module, name, _quantized(weight, bias, quant, compute_dtype(quant)))
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The [out, in] weight of an `nn.Linear`, or of GPT-2's transposed `Conv1D`."""
+    if isinstance(module, nn.Linear):
+        return module.weight.data
+    if type(module).__name__ == "Conv1D":  # transformers' GPT-2 projection: weight is [in, out]
+        return module.weight.data.t().contiguous()
+    return None
+
+
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: str,
+               dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    data = weight.float()
+    if quant == "int8":
+        q: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None,
+                                          has_fp16_weights=False, threshold=0.0)
+        q.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
+    else:
+        q = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None,
+                              compute_dtype=dtype, quant_type="nf4", compress_statistics=False)
+        q.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_type="nf4",
+                                     compress_statistics=False, blocksize=NF4_BLOCK, module=q)
+    if bias is not None:
+        q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    return q.to("cpu")  # bitsandbytes quantizes on this move
