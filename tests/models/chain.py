@@ -1,0 +1,57 @@
+"""Test helper: run a prompt through a chain of shards the way the mesh does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshnet.models.cache import new_cache
+from meshnet.models.shard import Head, Shard
+from meshnet.wire import split_prefill
+
+
+class Chain:
+    """Head + shards with one cache each; activations cross every boundary as bf16."""
+
+    def __init__(self, head: Head, shards: list[Shard]) -> None:
+        self.head = head
+        self.shards = shards
+        self.caches: list[Any] = [new_cache() for _ in shards]
+        self.position = 0
+
+    def step(self, ids: torch.Tensor, chunk_tokens: int = 128) -> torch.Tensor:
+        """Feed ids [1, T]; returns fp32 logits [1, T, V]."""
+        hidden = self.head.embed_tokens(ids, self.position).to(torch.bfloat16)
+        outputs = []
+        for chunk in split_prefill(hidden, self.position, chunk_tokens):
+            h = chunk.hidden
+            for shard, cache in zip(self.shards, self.caches, strict=True):
+                h = shard.forward(h, cache, chunk.position)
+            outputs.append(self.head.logits(h))
+        self.position += ids.shape[1]
+        return torch.cat(outputs, dim=1)
+
+
+def reference_logits(model: Any, ids: torch.Tensor, decode_ids: torch.Tensor,
+                     chunk_tokens: int | None = None) -> torch.Tensor:
+    """The monolithic model: prompt in one pass (or in chunks), then cached single-token steps."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        pieces = ids.split(chunk_tokens or ids.shape[1], dim=1)
+        logits = [model(piece, cache=cache, use_cache=True).logits for piece in pieces]
+        for token in decode_ids[0]:
+            logits.append(model(token.view(1, 1), cache=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1).float()
+
+
+def greedy(chain: Chain, ids: torch.Tensor, tokens: int) -> list[int]:
+    logits = chain.step(ids)
+    out = []
+    for _ in range(tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(nxt))
+        logits = chain.step(nxt)
+    return out

@@ -1,0 +1,75 @@
+"""Model fixtures: tiny random checkpoints saved to disk, and the real default model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from meshnet.models.source import ModelSource, default_gguf, resolve
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 512, "bos_token_id": 0, "eos_token_id": 1},
+    "llama": {"num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
+              "max_position_embeddings": 512, "tie_word_embeddings": False},
+    "mistral": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
+                "max_position_embeddings": 512, "sliding_window": None},
+    "qwen2": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
+              "max_position_embeddings": 512, "tie_word_embeddings": True},
+}
+
+
+def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
+    """A randomly initialised small model of `model_type`, saved with `save_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type])
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            made[model_type] = save_tiny(model_type, tmp_path_factory.mktemp(model_type))
+        return made[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_source() -> ModelSource:
+    return resolve("default")
+
+
+@pytest.fixture(scope="session")
+def smollm_reference() -> Any:
+    """The whole default model as transformers loads it from the GGUF file (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def english_ids(default_source: ModelSource) -> torch.Tensor:
+    from meshnet.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_source)
+    ids = tokenizer((DATA / "english.txt").read_text(), return_tensors="pt")["input_ids"]
+    return ids
