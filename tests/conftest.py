@@ -16,3 +16,6 @@ def run(coro: Awaitable[T]) -> T:
         return await coro
 
     return asyncio.run(wrapper())
+
+
+pytest_plugins = ["tests.models.fixtures"]

@@ -33,8 +33,9 @@ class Chain:
         return torch.cat(outputs, dim=1)
 
 
-def reference_logits(model: Any, ids: torch.Tensor, decode_ids: torch.Tensor,
-                     chunk_tokens: int | None = None) -> torch.Tensor:
+def reference_logits(
+    model: Any, ids: torch.Tensor, decode_ids: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """The monolithic model: prompt in one pass (or in chunks), then cached single-token steps."""
     from transformers import DynamicCache
 

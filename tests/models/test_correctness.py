@@ -27,8 +27,9 @@ def chain_for(source: ModelSource, quant: str, parts: int = 3) -> Chain:
     return Chain(load_head(source, shards[0].compute_dtype), shards)
 
 
-def compare(chain: Chain, reference: Any, ids: torch.Tensor, chunk_tokens: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def compare(
+    chain: Chain, reference: Any, ids: torch.Tensor, chunk_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mesh logits, reference logits) for the prompt then 32 teacher-forced decode steps."""
     mesh = [chain.step(ids)]
     tokens = []
@@ -40,8 +41,9 @@ def compare(chain: Chain, reference: Any, ids: torch.Tensor, chunk_tokens: int |
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2"])
-def test_tiny_random_models_match_the_whole_model(model_type: str,
-                                                  tiny_folder: Callable[[str], Path]) -> None:
+def test_tiny_random_models_match_the_whole_model(
+    model_type: str, tiny_folder: Callable[[str], Path]
+) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = tiny_folder(model_type)
@@ -61,9 +63,9 @@ def test_tiny_random_models_match_the_whole_model(model_type: str,
 
 
 @pytest.mark.slow
-def test_smollm2_fp32_shards_match_the_whole_model(default_source: ModelSource,
-                                                   smollm_reference: Any,
-                                                   english_ids: torch.Tensor) -> None:
+def test_smollm2_fp32_shards_match_the_whole_model(
+    default_source: ModelSource, smollm_reference: Any, english_ids: torch.Tensor
+) -> None:
     ids = english_ids[:, :PROMPT_TOKENS]
     mesh, ref = compare(chain_for(default_source, "fp32"), smollm_reference, ids)
     # SmolLM2 logits span about +-30. The whole model keeps its residual stream in fp32; the
@@ -76,33 +78,43 @@ def test_smollm2_fp32_shards_match_the_whole_model(default_source: ModelSource,
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_shards_equal_the_whole_bf16_model(default_source: ModelSource,
-                                                        english_ids: torch.Tensor) -> None:
+def test_smollm2_bf16_shards_equal_the_whole_bf16_model(
+    default_source: ModelSource, english_ids: torch.Tensor
+) -> None:
     from transformers import AutoModelForCausalLM
 
     path = default_gguf()
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.bfloat16).eval()
-    mesh, ref = compare(chain_for(default_source, "bf16"), reference, english_ids[:, :300],
-                        chunk_tokens=128)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
+    mesh, ref = compare(
+        chain_for(default_source, "bf16"), reference, english_ids[:, :300], chunk_tokens=128
+    )
     # In bf16 the whole model's residual stream is bf16 too, so the boundaries add no rounding;
     # with the same 128-token chunks the same kernels run on the same numbers.
     torch.testing.assert_close(mesh, ref, rtol=0, atol=0)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_are_identical(default_source: ModelSource,
-                                             smollm_reference: Any) -> None:
+def test_smollm2_greedy_tokens_are_identical(
+    default_source: ModelSource, smollm_reference: Any
+) -> None:
     from meshnet.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(default_source)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     mesh_tokens = greedy(chain_for(default_source, "fp32"), ids, DECODE_TOKENS)
     with torch.inference_mode():
-        ref = smollm_reference.generate(ids, attention_mask=torch.ones_like(ids),
-                                        max_new_tokens=DECODE_TOKENS, do_sample=False,
-                                        eos_token_id=None, pad_token_id=2)
-    assert mesh_tokens == ref[0, ids.shape[1]:].tolist()
+        ref = smollm_reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=DECODE_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    assert mesh_tokens == ref[0, ids.shape[1] :].tolist()
     assert tokenizer.decode(mesh_tokens).startswith("The capital of France is Paris.")

@@ -115,5 +115,4 @@ class GgufCheckpoint:
 def unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of rotary halves in q/k rows: [out, ...] -> [out, ...]."""
     half = weight.shape[0] // heads // 2
-    return (weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
-            .reshape(weight.shape))
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

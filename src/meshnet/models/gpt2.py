@@ -11,13 +11,16 @@ from meshnet.models.spec import ModelSpec
 
 
 class GPT2:
-    model_types = ("gpt2",)
+    model_types: tuple[str, ...] = ("gpt2",)
 
     def spec_from_config(self, config: Mapping[str, Any]) -> ModelSpec:
         hidden = int(config["n_embd"])
         return ModelSpec(
-            model_type="gpt2", num_layers=int(config["n_layer"]), hidden_size=hidden,
-            num_heads=int(config["n_head"]), num_kv_heads=int(config["n_head"]),
+            model_type="gpt2",
+            num_layers=int(config["n_layer"]),
+            hidden_size=hidden,
+            num_heads=int(config["n_head"]),
+            num_kv_heads=int(config["n_head"]),
             intermediate_size=int(config.get("n_inner") or 4 * hidden),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
@@ -38,11 +41,13 @@ class GPT2:
         return [f"transformer.h.{index}.", f"h.{index}."]
 
     def head_names(self) -> dict[str, list[str]]:
-        return {"embed.weight": ["transformer.wte.weight", "wte.weight"],
-                "pos_embed.weight": ["transformer.wpe.weight", "wpe.weight"],
-                "norm.weight": ["transformer.ln_f.weight", "ln_f.weight"],
-                "norm.bias": ["transformer.ln_f.bias", "ln_f.bias"],
-                "lm_head.weight": ["lm_head.weight"]}
+        return {
+            "embed.weight": ["transformer.wte.weight", "wte.weight"],
+            "pos_embed.weight": ["transformer.wpe.weight", "wpe.weight"],
+            "norm.weight": ["transformer.ln_f.weight", "ln_f.weight"],
+            "norm.bias": ["transformer.ln_f.bias", "ln_f.bias"],
+            "lm_head.weight": ["lm_head.weight"],
+        }
 
     def gguf_name(self, hf_name: str) -> tuple[str, str | None]:
         raise ModelError("GPT-2 GGUF files are not supported")
@@ -75,10 +80,12 @@ class GPT2:
 
         from meshnet.models.shard import Head
 
-        return Head(nn.Embedding(config.vocab_size, config.n_embd),
-                    nn.Embedding(config.n_positions, config.n_embd),
-                    nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-                    nn.Linear(config.n_embd, config.vocab_size, bias=False))
+        return Head(
+            nn.Embedding(config.vocab_size, config.n_embd),
+            nn.Embedding(config.n_positions, config.n_embd),
+            nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            nn.Linear(config.n_embd, config.vocab_size, bias=False),
+        )
 
 
 registry.register(GPT2())

@@ -17,8 +17,14 @@ from meshnet.models.source import ModelSource
 
 log = logging.getLogger(__name__)
 
-SMALL_FILES = ["config.json", "generation_config.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "model.safetensors.index.json"]
+SMALL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors.index.json",
+]
 
 
 def _fetch(repo_id: str, filename: str, cache_dir: Path | None) -> Path | None:
@@ -55,5 +61,6 @@ def fetch_weight_files(source: ModelSource, files: set[str], cache_dir: Path | N
     assert source.repo_id is not None
     for file in sorted(files):
         if _fetch(source.repo_id, file, cache_dir) is None:
-            raise ModelError(f"{source.repo_id}: weight file {file} is neither cached nor "
-                             "reachable on the hub")
+            raise ModelError(
+                f"{source.repo_id}: weight file {file} is neither cached nor reachable on the hub"
+            )

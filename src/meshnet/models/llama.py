@@ -17,46 +17,63 @@ from meshnet.models.spec import ModelSpec
 # model_type -> (transformers module, config class, decoder layer class, rotary class, norm class)
 _CLASSES = {
     "llama": ("llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaRotaryEmbedding", "LlamaRMSNorm"),
-    "mistral": ("mistral", "MistralConfig", "MistralDecoderLayer", "MistralRotaryEmbedding",
-                "MistralRMSNorm"),
-    "qwen2": ("qwen2", "Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding",
-              "Qwen2RMSNorm"),
+    "mistral": (
+        "mistral",
+        "MistralConfig",
+        "MistralDecoderLayer",
+        "MistralRotaryEmbedding",
+        "MistralRMSNorm",
+    ),
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding", "Qwen2RMSNorm"),
 }
 
 # GGUF (llama.cpp) tensor names for one layer, by the HF name's suffix.
 _GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-_GGUF_HEAD = {"model.embed_tokens.weight": "token_embd.weight",
-              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_GGUF_HEAD = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def _classes(model_type: str) -> tuple[Any, ...]:
     module_name, *names = _CLASSES[model_type]
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     config_module = importlib.import_module(
-        f"transformers.models.{module_name}.configuration_{module_name}")
+        f"transformers.models.{module_name}.configuration_{module_name}"
+    )
     return (getattr(config_module, names[0]), *(getattr(module, n) for n in names[1:]))
 
 
 class LlamaFamily:
-    model_types = tuple(_CLASSES)
+    model_types: tuple[str, ...] = tuple(_CLASSES)
 
     def spec_from_config(self, config: Mapping[str, Any]) -> ModelSpec:
         heads = int(config["num_attention_heads"])
         return ModelSpec(
-            model_type=str(config["model_type"]), num_layers=int(config["num_hidden_layers"]),
-            hidden_size=int(config["hidden_size"]), num_heads=heads,
+            model_type=str(config["model_type"]),
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_positions=int(config.get("max_position_embeddings", 2048)),
-            extra={"attention_bias": bool(config.get("attention_bias", False))
-                   or config["model_type"] == "qwen2"},
+            extra={
+                "attention_bias": bool(config.get("attention_bias", False))
+                or config["model_type"] == "qwen2"
+            },
         )
 
     def spec_from_gguf(self, fields: Mapping[str, Any], tensor_names: set[str]) -> ModelSpec:
@@ -64,17 +81,21 @@ class LlamaFamily:
         if arch != "llama":
             raise ModelError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
         return ModelSpec(
-            model_type="llama", num_layers=int(fields["llama.block_count"]),
+            model_type="llama",
+            num_layers=int(fields["llama.block_count"]),
             hidden_size=int(fields["llama.embedding_length"]),
             num_heads=int(fields["llama.attention.head_count"]),
-            num_kv_heads=int(fields.get("llama.attention.head_count_kv",
-                                        fields["llama.attention.head_count"])),
+            num_kv_heads=int(
+                fields.get("llama.attention.head_count_kv", fields["llama.attention.head_count"])
+            ),
             intermediate_size=int(fields["llama.feed_forward_length"]),
             vocab_size=int(fields.get("llama.vocab_size", 0) or 0),
             tie_word_embeddings="output.weight" not in tensor_names,
             max_positions=int(fields.get("llama.context_length", 2048)),
-            extra={"rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
-                   "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"])},
+            extra={
+                "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
+                "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"]),
+            },
         )
 
     def layer_params(self, spec: ModelSpec) -> tuple[int, int, int]:
@@ -88,8 +109,11 @@ class LlamaFamily:
         return [f"model.layers.{index}."]
 
     def head_names(self) -> dict[str, list[str]]:
-        return {"embed.weight": ["model.embed_tokens.weight"],
-                "norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
+        return {
+            "embed.weight": ["model.embed_tokens.weight"],
+            "norm.weight": ["model.norm.weight"],
+            "lm_head.weight": ["lm_head.weight"],
+        }
 
     def gguf_name(self, hf_name: str) -> tuple[str, str | None]:
         if hf_name in _GGUF_HEAD:
@@ -105,12 +129,17 @@ class LlamaFamily:
             config = config_cls(**{k: v for k, v in raw.items() if k != "architectures"})
         else:  # from GGUF
             config = config_cls(
-                vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
                 max_position_embeddings=spec.max_positions,
-                rms_norm_eps=spec.extra["rms_norm_eps"], tie_word_embeddings=spec.tie_word_embeddings,
-                rope_parameters={"rope_type": "default", "rope_theta": spec.extra["rope_theta"]})
+                rms_norm_eps=spec.extra["rms_norm_eps"],
+                tie_word_embeddings=spec.tie_word_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": spec.extra["rope_theta"]},
+            )
         config._attn_implementation = "sdpa"
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ModelError("sliding-window attention layers are not supported yet")
@@ -130,8 +159,14 @@ class LlamaFamily:
         embeddings = extras(hidden, position_ids=positions)  # (cos, sin), each [B, T, head_dim]
         mask = causal_mask(hidden, position)
         for layer in layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache,
-                           use_cache=True, position_embeddings=embeddings)
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=embeddings,
+            )
         return hidden
 
     def build_head(self, config: Any) -> Any:
@@ -140,8 +175,12 @@ class LlamaFamily:
         from meshnet.models.shard import Head
 
         norm = _classes(config.model_type)[3](config.hidden_size, eps=config.rms_norm_eps)
-        return Head(nn.Embedding(config.vocab_size, config.hidden_size), None, norm,
-                    nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        return Head(
+            nn.Embedding(config.vocab_size, config.hidden_size),
+            None,
+            norm,
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+        )
 
 
 registry.register(LlamaFamily())

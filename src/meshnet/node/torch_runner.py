@@ -14,13 +14,13 @@ from meshnet.wire import FrameMeta
 class TorchShardRunner:
     """Runs a real shard; a refused or failed call leaves the session's cache as it was."""
 
-    def __init__(self, model: ModelId, shard: Shard, *, ttl_s: float = 600.0,
-                 max_cache_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, model: ModelId, shard: Shard, *, ttl_s: float = 600.0, max_cache_bytes: int = 1 << 30
+    ) -> None:
         self.model = model
         self.span: LayerSpan = shard.span
         self.shard = shard
-        self.sessions = SessionStore(new_cache, cache_bytes, ttl_s=ttl_s,
-                                     max_bytes=max_cache_bytes)
+        self.sessions = SessionStore(new_cache, cache_bytes, ttl_s=ttl_s, max_bytes=max_cache_bytes)
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         session, chunks = self.sessions.checkout(meta)

@@ -14,16 +14,45 @@ from meshnet.models.source import ModelSource, default_gguf, resolve
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "gpt2": {"n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 512, "bos_token_id": 0, "eos_token_id": 1},
-    "llama": {"num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
-              "max_position_embeddings": 512, "tie_word_embeddings": False},
-    "mistral": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
-                "max_position_embeddings": 512, "sliding_window": None},
-    "qwen2": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
-              "max_position_embeddings": 512, "tie_word_embeddings": True},
+    "gpt2": {
+        "n_layer": 6,
+        "n_embd": 64,
+        "n_head": 4,
+        "vocab_size": 300,
+        "n_positions": 512,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "llama": {
+        "num_hidden_layers": 6,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    "mistral": {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "sliding_window": None,
+    },
+    "qwen2": {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -61,8 +90,9 @@ def smollm_reference() -> Any:
     from transformers import AutoModelForCausalLM
 
     path = default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 

@@ -1,0 +1,140 @@
+"""Loading only the span: memory, name and shape checks, sources."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshnet.errors import ModelError
+from meshnet.models.checkpoint import SafetensorsCheckpoint
+from meshnet.models.loader import load_head, load_shard
+from meshnet.models.source import resolve
+from meshnet.types import LayerSpan
+
+PEAK_SCRIPT = """
+import resource, sys
+from meshnet.models.source import resolve
+from meshnet.models.loader import load_shard
+from meshnet.models.checkpoint import gguf_reader
+from meshnet.types import LayerSpan
+source = resolve("default")
+gguf_reader(source.path)
+import transformers.models.llama.modeling_llama  # imports are overhead, not weights
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+shard = load_shard(source, LayerSpan.parse(sys.argv[1]), "fp32")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(base * 1024, peak * 1024, shard.weight_bytes())
+"""
+
+
+def peak_rss(span: str) -> tuple[int, int, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, span], check=True, capture_output=True, text=True
+    ).stdout.split()
+    base, peak, weights = map(int, out)
+    return base, peak, weights
+
+
+@pytest.mark.slow
+def test_ten_of_thirty_layers_peak_at_a_third_of_the_memory() -> None:
+    base10, peak10, weights10 = peak_rss("10:20")
+    base30, peak30, weights30 = peak_rss("0:30")
+    grown10, grown30 = peak10 - base10, peak30 - base30
+    overhead = 48 << 20  # allocator slack and one dequantized tensor in flight
+    print(
+        f"peak growth: 10 layers {grown10 >> 20} MiB, 30 layers {grown30 >> 20} MiB; "
+        f"weights {weights10 >> 20} / {weights30 >> 20} MiB"
+    )
+    assert grown30 >= weights30  # the measurement sees the weights at all
+    assert grown10 <= grown30 / 3 + overhead
+
+
+def test_missing_tensor_is_named(tiny_folder: Callable[[str], Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_folder("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    source = resolve(str(folder))
+    load_shard(source, LayerSpan(0, 3), "fp32")  # other layers load fine
+    with pytest.raises(ModelError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
+        load_shard(source, LayerSpan(2, 5), "fp32")
+
+
+def test_mismatched_shape_is_named(tiny_folder: Callable[[str], Path], tmp_path: Path) -> None:
+    folder = tmp_path / "wide"
+    shutil.copytree(tiny_folder("gpt2"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["n_inner"] = 300
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"mlp\.c_fc\.weight.*shape"):
+        load_shard(resolve(str(folder)), LayerSpan(0, 1), "fp32")
+
+
+def test_span_outside_the_model_and_unknown_sources_are_refused(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    with pytest.raises(ModelError, match="outside"):
+        load_shard(resolve(str(tiny_folder("gpt2"))), LayerSpan(4, 7), "fp32")
+    with pytest.raises(ModelError, match="cannot find model"):
+        resolve("/no/such/folder")
+
+
+def test_sharded_index_reads_only_the_files_it_needs(
+    tiny_folder: Callable[[str], Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder("llama"))
+    model.save_pretrained(folder, max_shard_size="100KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    checkpoint = SafetensorsCheckpoint.open(folder)
+    shard = load_shard(resolve(str(folder)), LayerSpan(4, 6), "fp32", checkpoint)
+    opened = set(checkpoint._open)
+    assert opened == {
+        index["weight_map"][n]
+        for n in index["weight_map"]
+        if n.startswith(("model.layers.4.", "model.layers.5."))
+    }
+    reference = model.model.layers[4].mlp.up_proj.weight
+    assert torch.equal(shard.layers[0].mlp.up_proj.weight, reference)
+
+
+def test_hub_id_resolves_offline_from_a_prepared_cache(
+    tiny_folder: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--meshnet-test--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_folder("llama"), snapshot)
+    (cache / "models--meshnet-test--tiny-llama" / "refs").mkdir()
+    (cache / "models--meshnet-test--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    source = resolve("meshnet-test/tiny-llama", cache_dir=cache)
+    assert source.kind == "hub" and source.spec.num_layers == 6
+    from meshnet.models.loader import open_checkpoint
+
+    shard = load_shard(
+        source, LayerSpan(0, 2), "fp32", open_checkpoint(source, LayerSpan(0, 2), cache_dir=cache)
+    )
+    assert len(shard.layers) == 2
+    with pytest.raises(ModelError, match="neither cached nor reachable"):
+        resolve("meshnet-test/absent", cache_dir=cache)
+
+
+def test_head_ties_the_lm_head_to_the_embeddings(default_source: object) -> None:
+    head = load_head(default_source)  # type: ignore[arg-type]
+    assert head.lm_head.weight.data_ptr() == head.embed.weight.data_ptr()
