@@ -28,6 +28,18 @@ def test_wire_benchmark_prints_a_table() -> None:
     assert {row.split("|")[3].strip() for row in rows} == {"none", "zstd", "zstd-shuffle"}
 
 
+@pytest.mark.slow
+def test_shard_benchmark_prints_a_table() -> None:
+    rows = [line for line in run_tiny("shard.py").splitlines() if line.startswith("| fp32")]
+    assert len(rows) == 1 and float(rows[0].split("|")[4]) > 0  # a decode ratio
+
+
+@pytest.mark.slow
+def test_quality_benchmark_prints_perplexities() -> None:
+    rows = [line for line in run_tiny("quality.py").splitlines() if line.startswith("| nf4")]
+    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 1
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in BENCHMARKS.glob("*.py")))
 def test_every_benchmark_has_a_tiny_mode(name: str) -> None:
     assert "--tiny" in (BENCHMARKS / name).read_text()

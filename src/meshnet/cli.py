@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from meshnet import __version__
+from meshnet.config import NodeConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +20,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the demo on the embedded default model")
-    demo.add_argument("--tokens", type=int, default=128, help="prompt tokens to send")
+    demo.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    node = sub.add_parser("node", help="serve a span of a model's layers")
+    node.add_argument(
+        "--model",
+        default="default",
+        help="'default', a .gguf file, a checkpoint folder or a hub id",
+    )
+    node.add_argument("--layers", help="the span to serve, 'start:end' (default: all)")
+    node.add_argument(
+        "--quant",
+        choices=["fp32", "bf16", "int8", "nf4"],
+        help="weight format (default: bf16 where fast, else fp32)",
+    )
+    node.add_argument("--host", default="127.0.0.1")
+    node.add_argument("--port", type=int, default=8001)
     return parser
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        model=args.model, layers=args.layers, quant=args.quant, host=args.host, port=args.port
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,7 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from meshnet.demo import run_wire_demo
 
-        return run_wire_demo(tokens=args.tokens)
+        return run_wire_demo(max_tokens=args.max_tokens)
+    if args.command == "node":
+        from meshnet.node.serve import serve
+
+        serve(node_config(args))
+        return 0
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return 2
 

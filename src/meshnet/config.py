@@ -22,3 +22,19 @@ class WireConfig:
     encoding: str = "auto"  # none | zstd | zstd-shuffle | auto
     chunk_tokens: int = 128  # prefill chunk length in tokens (ADR-0008)
     auto_min_bytes: int = 64 * 1024  # `auto` compresses only payloads at least this large
+
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A node serving one span of one model."""
+
+    model: str = "default"  # "default", a .gguf file, a checkpoint folder or a hub id
+    layers: str | None = None  # "start:end"; None = the whole model until the tracker assigns
+    quant: str | None = None  # fp32 | bf16 | int8 | nf4; None = bf16 where fast, else fp32
+    host: str = "127.0.0.1"
+    port: int = 8001
+    session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this
+    max_cache_bytes: int = 1 * GiB  # all sessions' KV caches together; LRU eviction above

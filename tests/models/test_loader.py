@@ -18,8 +18,12 @@ from meshnet.models.loader import load_head, load_shard
 from meshnet.models.source import resolve
 from meshnet.types import LayerSpan
 
+# VmHWM is this process's own peak RSS; ru_maxrss would carry over the parent's peak on exec.
 PEAK_SCRIPT = """
-import resource, sys
+import re, sys
+def hwm():
+    status = open("/proc/self/status").read()
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
 from meshnet.models.source import resolve
 from meshnet.models.loader import load_shard
 from meshnet.models.checkpoint import gguf_reader
@@ -27,9 +31,9 @@ from meshnet.types import LayerSpan
 source = resolve("default")
 gguf_reader(source.path)
 import transformers.models.llama.modeling_llama  # imports are overhead, not weights
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm()
 shard = load_shard(source, LayerSpan.parse(sys.argv[1]), "fp32")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = hwm()
 print(base * 1024, peak * 1024, shard.weight_bytes())
 """
 

@@ -1,0 +1,130 @@
+"""Shard overhead: a meshnet shard of 10 layers vs the same 10 layers in transformers' model.
+
+    python benchmarks/shard.py           # the default model, layers 10:20, all quantizations
+    python benchmarks/shard.py --tiny    # a tiny random model, seconds (what the tests run)
+
+The monolithic side is transformers' own `LlamaModel` forward (its masks, rotary and cache
+handling) over the very same layer modules; the shard side is `Shard.forward`. Decode: ms per
+token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from meshnet.models.cache import new_cache, truncate
+from meshnet.models.loader import load_shard
+from meshnet.models.shard import Shard
+from meshnet.models.source import resolve
+from meshnet.types import LayerSpan
+
+
+def median_s(fn: Callable[[], object], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def monolithic(shard: Shard) -> torch.nn.Module:
+    """transformers' decoder model whose layers are the shard's own modules."""
+    from transformers import AutoModel
+
+    config = shard.config.__class__(
+        **{**shard.config.to_dict(), "num_hidden_layers": len(shard.layers)}
+    )
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    model.layers = shard.layers
+    model.rotary_emb = shard.extras
+    model.norm = torch.nn.Identity()
+    model.embed_tokens = None
+    return model.eval()
+
+
+def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float, float]:
+    """(shard decode ms, mono decode ms, shard prefill tok/s, mono prefill tok/s)."""
+    from transformers import DynamicCache
+
+    model = monolithic(shard)
+    hidden = shard.config.hidden_size
+    prompt = torch.randn(1, tokens, hidden).to(shard.compute_dtype)
+    step = torch.randn(1, 1, hidden).to(shard.compute_dtype)
+
+    def shard_prefill() -> object:
+        return shard.forward(prompt, new_cache(), 0)
+
+    def mono_prefill() -> object:
+        with torch.inference_mode():
+            return model(inputs_embeds=prompt, cache=DynamicCache(), use_cache=True)
+
+    cache = new_cache()
+    shard.forward(prompt, cache, 0)
+    mono_cache = DynamicCache()
+    with torch.inference_mode():
+        model(inputs_embeds=prompt, cache=mono_cache, use_cache=True)
+
+    def shard_step() -> object:  # crop back so every step sees the same cache length
+        out = shard.forward(step, cache, tokens)
+        truncate(cache, tokens)
+        return out
+
+    def mono_step() -> object:
+        with torch.inference_mode():
+            out = model(inputs_embeds=step, cache=mono_cache, use_cache=True)
+        truncate(mono_cache, tokens)
+        return out
+
+    for fn in (shard_step, mono_step):
+        fn()
+    decode = [median_s(f, repeat * 4) * 1e3 for f in (shard_step, mono_step)]
+    prefill = [tokens / median_s(f, repeat) for f in (shard_prefill, mono_prefill)]
+    return decode[0], decode[1], prefill[0], prefill[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    if args.tiny:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.models.fixtures import save_tiny
+
+        source = resolve(str(save_tiny("llama", Path(tempfile.mkdtemp()))))
+        span, quants, tokens, repeat = LayerSpan(2, 4), ["fp32", "nf4"], 16, 2
+    else:
+        source = resolve("default")
+        span, quants, tokens, repeat = (
+            LayerSpan(10, 20),
+            ["fp32", "bf16", "int8", "nf4"],
+            128,
+            args.repeat,
+        )
+    print(
+        f"| quant | shard decode ms/token | monolithic decode ms/token | decode ratio | "
+        f"shard prefill tok/s | monolithic prefill tok/s | prefill ratio |  ({span})"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for quant in quants:
+        shard = load_shard(source, span, quant)
+        sd, md, sp, mp = measure(shard, tokens, repeat)
+        print(
+            f"| {quant} | {sd:.2f} | {md:.2f} | {sd / md:.3f} | {sp:,.0f} | {mp:,.0f} | "
+            f"{sp / mp:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

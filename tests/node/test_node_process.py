@@ -1,0 +1,84 @@
+"""A real node process on loopback serves real weights over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from meshnet.types import LayerSpan, ModelId, SessionId
+from meshnet.wire import FrameMeta, decode, encode
+from meshnet.wire import headers as h
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def node_url() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshnet.cli",
+            "node",
+            "--model",
+            "default",
+            "--layers",
+            "10:20",
+            "--quant",
+            "fp32",
+            "--port",
+            str(port),
+        ]
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "node exited during start-up"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)  # waiting on the readiness signal, not a fixed sleep
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
+    health = httpx.get(f"{node_url}/health").json()
+    assert health["span"] == "10:20" and health["model"] == "default"
+    x = torch.randn(1, 130, 576)
+    meta = FrameMeta(SessionId("e2e"), ModelId("default"), LayerSpan(10, 20), 0)
+    with httpx.Client(base_url=node_url) as client:
+        frame = encode(x, meta)
+        response = client.post("/forward", headers=frame.headers, content=bytes(frame.body))
+        assert response.status_code == 200
+        out_meta, out = decode(response.headers, response.content)
+        assert out.shape == (1, 130, 576) and torch.isfinite(out.float()).all()
+        assert out_meta.span == LayerSpan(10, 20)
+        bad = client.post(
+            "/forward", headers={**frame.headers, h.DTYPE: "float16"}, content=bytes(frame.body)
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == h.DTYPE
+        step = encode(torch.randn(1, 1, 576), FrameMeta(meta.session, meta.model, meta.span, 130))
+        assert (
+            client.post("/forward", headers=step.headers, content=bytes(step.body)).status_code
+            == 200
+        )
+        assert client.delete("/sessions/e2e").status_code == 200
+        assert client.get("/health").json()["sessions"] == 0
