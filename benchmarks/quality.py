@@ -1,6 +1,6 @@
 """Perplexity of a model run through the shard path, per quantization.
 
-    python benchmarks/quality.py          # the default model, 2,048 tokens of tests/data/english.txt
+    python benchmarks/quality.py          # the default model, 2,048 tokens of english.txt
     python benchmarks/quality.py --tiny   # a tiny random model (what the tests run)
 
 Three shards and the head, 128-token chunks, bf16 activations between shards: the mesh's path.

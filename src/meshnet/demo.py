@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from meshnet.config import WireConfig
 from meshnet.models.cache import new_cache
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
