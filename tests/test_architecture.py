@@ -23,6 +23,10 @@ def test_wire_imports_no_http_framework() -> None:
     assert not loaded & set(HTTP_FRAMEWORKS)
 
 
+def test_sizing_from_a_config_needs_no_torch() -> None:
+    assert "torch" not in modules_after_import("meshnet.models.sizing")
+
+
 @pytest.mark.parametrize("module", ["meshnet.types", "meshnet.errors", "meshnet.config"])
 def test_base_modules_import_nothing_heavy(module: str) -> None:
     assert not modules_after_import(module) & {"torch", "numpy", *HTTP_FRAMEWORKS}

@@ -28,6 +28,11 @@ def test_wire_benchmark_prints_a_table() -> None:
     assert {row.split("|")[3].strip() for row in rows} == {"none", "zstd", "zstd-shuffle"}
 
 
+def test_hop_benchmark_prints_round_trips() -> None:
+    rows = [line for line in run_tiny("hop.py").splitlines() if "decode step" in line]
+    assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows)
+
+
 @pytest.mark.slow
 def test_shard_benchmark_prints_a_table() -> None:
     rows = [line for line in run_tiny("shard.py").splitlines() if line.startswith("| fp32")]
