@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,9 +37,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     args = parser.parse_args()
     if args.tiny:
-        from tests.models.fixtures import save_tiny
+        from tests.models.fixtures import tiny_source
 
-        source = resolve(str(save_tiny("llama", Path(tempfile.mkdtemp()))))
+        source = tiny_source()
         ids = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(0))
         quants = ["fp32", "nf4"]
     else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,9 +99,9 @@ def main() -> None:
         import sys
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.models.fixtures import save_tiny
+        from tests.models.fixtures import tiny_source
 
-        source = resolve(str(save_tiny("llama", Path(tempfile.mkdtemp()))))
+        source = tiny_source()
         span, quants, tokens, repeat = LayerSpan(2, 4), ["fp32", "nf4"], 16, 2
     else:
         source = resolve("default")

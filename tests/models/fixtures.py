@@ -13,6 +13,15 @@ from meshnet.models.source import ModelSource, default_gguf, resolve
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
+# Llama-shaped families share one small shape; each adds what sets it apart.
+_LLAMA_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 300,
+    "max_position_embeddings": 512,
+}
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt2": {
         "n_layer": 6,
@@ -23,36 +32,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": 0,
         "eos_token_id": 1,
     },
-    "llama": {
-        "num_hidden_layers": 6,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 300,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-    },
-    "mistral": {
-        "num_hidden_layers": 4,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 300,
-        "max_position_embeddings": 512,
-        "sliding_window": None,
-    },
-    "qwen2": {
-        "num_hidden_layers": 4,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 300,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-    },
+    "llama": {**_LLAMA_SHAPE, "num_hidden_layers": 6, "tie_word_embeddings": False},
+    "mistral": {**_LLAMA_SHAPE, "num_hidden_layers": 4, "sliding_window": None},
+    "qwen2": {**_LLAMA_SHAPE, "num_hidden_layers": 4, "tie_word_embeddings": True},
 }
 
 
@@ -65,6 +47,13 @@ def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     return folder
+
+
+def tiny_source(model_type: str = "llama") -> ModelSource:
+    """A tiny random model saved to a fresh temporary folder and resolved (for benchmarks)."""
+    import tempfile
+
+    return resolve(str(save_tiny(model_type, Path(tempfile.mkdtemp()))))
 
 
 @pytest.fixture(scope="session")
