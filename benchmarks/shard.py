@@ -5,7 +5,8 @@
 
 The monolithic side is transformers' own `LlamaModel` forward (its masks, rotary and cache
 handling) over the very same layer modules; the shard side is `Shard.forward`. Decode: ms per
-token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians.
+token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians of
+alternated calls (shard, monolithic, shard, ...), so machine noise hits both sides alike.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from meshnet.models.source import resolve
 from meshnet.types import LayerSpan
 
 
-def median_s(fn: Callable[[], object], repeat: int) -> float:
-    samples = []
+def paired_medians(
+    a: Callable[[], object], b: Callable[[], object], repeat: int
+) -> tuple[float, float]:
+    """Median seconds of `a` and of `b`, calls alternated so drift and noise hit both alike."""
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for fn, out in ((a, samples[0]), (b, samples[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def monolithic(shard: Shard) -> torch.nn.Module:
@@ -85,9 +90,9 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
 
     for fn in (shard_step, mono_step):
         fn()
-    decode = [median_s(f, repeat * 4) * 1e3 for f in (shard_step, mono_step)]
-    prefill = [tokens / median_s(f, repeat) for f in (shard_prefill, mono_prefill)]
-    return decode[0], decode[1], prefill[0], prefill[1]
+    shard_d, mono_d = paired_medians(shard_step, mono_step, repeat * 8)
+    shard_p, mono_p = paired_medians(shard_prefill, mono_prefill, repeat)
+    return shard_d * 1e3, mono_d * 1e3, tokens / shard_p, tokens / mono_p
 
 
 def main() -> None:

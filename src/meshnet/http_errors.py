@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,7 +45,7 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=400)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: Starlette) -> None:
     """Map `MeshError` and request validation failures to JSON 4xx/5xx answers."""
     app.add_exception_handler(MeshError, _mesh_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -95,3 +95,41 @@ def test_chunk_totals_must_stay_consistent_within_a_session() -> None:
     assert response.json()["error"]["field"] == h.CHUNK_TOTAL
     right = encode(x, FrameMeta(META.session, META.model, SPAN, 2, 1, 3))
     assert run(post(app, right.headers, bytes(right.body))).status_code == 200
+
+
+class SlowEcho(EchoRunner):
+    """An echo runner whose forward pass takes `seconds` (a long prefill chunk)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(ModelId("default"), SPAN)
+        self.seconds = seconds
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return super().forward(meta, hidden)
+
+
+def test_prefill_runs_off_the_event_loop_so_health_still_answers() -> None:
+    import asyncio
+    import time
+
+    app = create_app(SlowEcho(0.5))
+    frame = encode(torch.randn(1, 128, 16), META)
+
+    async def scenario() -> tuple[float, float]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+            start = time.perf_counter()
+            forward = asyncio.create_task(
+                client.post("/forward", headers=frame.headers, content=bytes(frame.body))
+            )
+            await asyncio.sleep(0.05)
+            assert (await client.get("/health")).status_code == 200
+            health_s = time.perf_counter() - start
+            assert (await forward).status_code == 200
+            return health_s, time.perf_counter() - start
+
+    health_s, forward_s = run(scenario())
+    assert health_s < 0.4 < forward_s  # health answered while the 0.5 s chunk was running

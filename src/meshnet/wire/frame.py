@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from meshnet.config import WireConfig, WireLimits
@@ -35,7 +36,9 @@ class Encoded:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A view of `tensor` as contiguous little-endian bf16 bytes (no copy for bf16 CPU input)."""
-    bf16 = tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    bf16 = tensor.detach()
+    if bf16.dtype != torch.bfloat16 or bf16.device.type != "cpu" or not bf16.is_contiguous():
+        bf16 = bf16.to(device="cpu", dtype=torch.bfloat16).contiguous()
     return memoryview(bf16.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -51,7 +54,7 @@ def encode(tensor: torch.Tensor, meta: h.FrameMeta, config: WireConfig = WireCon
     headers = {
         h.VERSION: h.WIRE_VERSION,
         h.CONTENT_TYPE: h.OCTET_STREAM,
-        h.SHAPE: ",".join(str(d) for d in tensor.shape),
+        h.SHAPE: "{},{},{}".format(*tensor.shape),
         h.DTYPE: h.DTYPE_BF16,
         **meta.to_headers(),
     }
@@ -88,10 +91,13 @@ def decode(
     meta = h.parse_meta(lower)
     encoding = lower.get(h.ENCODING.lower(), compression.NONE).strip()
     raw = compression.decompress(body, encoding, expected)
-    return meta, _to_tensor(raw, shape)
+    return meta, payload_to_tensor(raw, shape)
 
 
-def _to_tensor(raw: bytes | bytearray, shape: tuple[int, int, int]) -> torch.Tensor:
-    """Copy little-endian bf16 bytes into a tensor that owns its memory."""
-    owned = raw if isinstance(raw, bytearray) else bytearray(raw)  # torch needs a writable buffer
-    return torch.frombuffer(owned, dtype=torch.bfloat16).view(shape)
+def payload_to_tensor(raw: bytes | bytearray, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Little-endian bf16 bytes -> a `shape` tensor that owns its memory (one copy at most)."""
+    if isinstance(raw, bytearray):  # already ours (decompressed): share it
+        return torch.frombuffer(raw, dtype=torch.bfloat16).view(shape)
+    tensor = torch.empty(shape, dtype=torch.bfloat16)
+    tensor.view(torch.uint8).numpy().reshape(-1)[:] = np.frombuffer(raw, dtype=np.uint8)
+    return tensor

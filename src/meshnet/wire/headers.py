@@ -71,9 +71,26 @@ def lower_keys(headers: Mapping[str, str]) -> dict[str, str]:
     return {k.lower(): v for k, v in headers.items()}
 
 
+_LOWER = {
+    name: name.lower()
+    for name in (
+        VERSION,
+        SHAPE,
+        DTYPE,
+        ENCODING,
+        SESSION,
+        CHUNK_INDEX,
+        CHUNK_TOTAL,
+        MODEL,
+        LAYERS,
+        POSITION,
+    )
+}
+
+
 def require(headers: Mapping[str, str], name: str) -> str:
     """The value of header `name` (headers keyed in lower case), or a `WireError`."""
-    value = headers.get(name.lower())
+    value = headers.get(_LOWER.get(name) or name.lower())
     if value is None:
         raise WireError(f"missing header {name}", field=name)
     return value.strip()
