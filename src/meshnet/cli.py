@@ -54,9 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "demo":
-        from meshnet.demo import run_wire_demo
+        from meshnet.demo import run_demo
 
-        return run_wire_demo(max_tokens=args.max_tokens)
+        return run_demo(max_tokens=args.max_tokens)
     if args.command == "node":
         from meshnet.node.serve import serve
 

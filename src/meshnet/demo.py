@@ -19,7 +19,7 @@ from meshnet.wire import FrameMeta, decode, encode
 QUESTION = "What is the capital of France?"
 
 
-def run_wire_demo(max_tokens: int = 32) -> int:
+def run_demo(max_tokens: int = 32) -> int:
     print("meshnet demo (in-process; the multi-process mesh arrives with the tracker issues)")
     source = resolve("default")
     tokenizer = load_tokenizer(source)

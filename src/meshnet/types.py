@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NewType
 
@@ -36,7 +37,7 @@ class LayerSpan:
     def __str__(self) -> str:
         return f"{self.start}:{self.end}"
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[int]:
         return iter(range(self.start, self.end))
 
     def contains(self, layer: int) -> bool:

@@ -17,7 +17,7 @@ from meshnet.errors import ModelError
 from meshnet.models import quantize
 from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsCheckpoint
 from meshnet.models.shard import Head, Shard
-from meshnet.models.source import ModelSource, layer_tensor_names, span_of
+from meshnet.models.source import ModelSource, layer_tensor_names
 from meshnet.types import LayerSpan
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ def load_shard(
 ) -> Shard:
     """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32)."""
     quant = quantize.check_quant(quant or quantize.default_quant())
-    span_of(source.spec, span)
+    if span.end > source.spec.num_layers:
+        raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
     config = source.arch.hf_config(source.spec, source.raw_config)
     checkpoint = checkpoint or open_checkpoint(source, span)
     layers = nn.ModuleList(

@@ -90,8 +90,3 @@ def get(model_type: str) -> Architecture:
         raise ModelError(
             f"unsupported model type {model_type!r}; meshnet supports {sorted(_REGISTRY)}"
         ) from None
-
-
-def supported() -> list[str]:
-    get("llama")
-    return sorted(_REGISTRY)

@@ -29,10 +29,3 @@ def layer_bytes(spec: ModelSpec, quant: str, *, compute_bytes: int | None = None
     elif quant == "nf4":
         total += linear / NF4_BLOCK * 4
     return int(total)
-
-
-def head_bytes(spec: ModelSpec, quant: str) -> int:
-    """Bytes of embeddings, final norm and (untied) LM head, kept unquantized."""
-    element = 4 if quant == "fp32" else 2
-    matrices = 1 if spec.tie_word_embeddings else 2
-    return (matrices * spec.vocab_size * spec.hidden_size + spec.hidden_size) * element

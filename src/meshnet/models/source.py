@@ -10,14 +10,13 @@ import importlib.util
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from meshnet.errors import ModelError
 from meshnet.models import registry
 from meshnet.models.spec import ModelSpec
-from meshnet.types import LayerSpan
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +82,8 @@ def _gguf_source(model_id: str, path: Path) -> ModelSource:
     names = {t.name for t in gguf_reader(path).tensors}
     spec = registry.get(str(fields["general.architecture"])).spec_from_gguf(fields, names)
     if spec.vocab_size == 0:  # older files omit it; the vocabulary itself says
-        spec = _with_vocab(spec, len(fields["tokenizer.ggml.tokens"]))
+        spec = replace(spec, vocab_size=len(fields["tokenizer.ggml.tokens"]))
     return ModelSource(model_id, "gguf", path, spec)
-
-
-def _with_vocab(spec: ModelSpec, vocab: int) -> ModelSpec:
-    from dataclasses import replace
-
-    return replace(spec, vocab_size=vocab)
 
 
 def _folder_source(model_id: str, folder: Path) -> ModelSource:
@@ -106,10 +99,3 @@ def layer_tensor_names(source: ModelSource, layers: Iterable[int], all_names: se
     """Checkpoint names that belong to `layers` (by each layer's name prefixes)."""
     prefixes = tuple(p for i in layers for p in source.arch.layer_names(i))
     return {n for n in all_names if n.startswith(prefixes)}
-
-
-def span_of(spec: ModelSpec, span: LayerSpan) -> LayerSpan:
-    """Check `span` lies inside the model; returns it."""
-    if span.end > spec.num_layers:
-        raise ModelError(f"layers {span} are outside the model's {spec.num_layers} layers")
-    return span
