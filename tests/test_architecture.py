@@ -24,7 +24,13 @@ def test_wire_imports_no_http_framework() -> None:
 
 
 def test_sizing_from_a_config_needs_no_torch() -> None:
-    assert "torch" not in modules_after_import("meshnet.models.sizing")
+    code = (
+        "import sys; from meshnet.models.source import resolve; "
+        "from meshnet.models.sizing import layer_bytes; "
+        "layer_bytes(resolve('default').spec, 'nf4'); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("module", ["meshnet.types", "meshnet.errors", "meshnet.config"])

@@ -26,7 +26,7 @@ def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
 from meshnet.models.source import resolve
 from meshnet.models.loader import load_shard
-from meshnet.models.checkpoint import gguf_reader
+from meshnet.models.gguf_file import gguf_reader
 from meshnet.types import LayerSpan
 source = resolve("default")
 gguf_reader(source.path)

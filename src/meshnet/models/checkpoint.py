@@ -8,7 +8,6 @@ Neither ever materialises the whole model.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from meshnet.errors import ModelError
+from meshnet.models.gguf_file import gguf_reader
 from meshnet.models.registry import Architecture
 from meshnet.models.spec import ModelSpec
 
@@ -70,20 +70,6 @@ def safetensors_index(folder: Path) -> dict[str, str]:
         length = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(length))
     return {name: single.name for name in header if name != "__metadata__"}
-
-
-@lru_cache(maxsize=4)
-def gguf_reader(path: Path) -> Any:
-    """The memory-mapped reader of a GGUF file (parsing its vocabulary takes seconds)."""
-    from gguf import GGUFReader
-
-    return GGUFReader(str(path))
-
-
-def gguf_fields(path: Path) -> dict[str, Any]:
-    """All GGUF metadata as plain Python values."""
-    reader = gguf_reader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 class GgufCheckpoint:

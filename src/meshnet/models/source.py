@@ -76,7 +76,7 @@ def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
 
 
 def _gguf_source(model_id: str, path: Path) -> ModelSource:
-    from meshnet.models.checkpoint import gguf_fields, gguf_reader
+    from meshnet.models.gguf_file import gguf_fields, gguf_reader
 
     fields = gguf_fields(path)
     names = {t.name for t in gguf_reader(path).tensors}

@@ -1,0 +1,235 @@
+"""Shard assignment: a pure function from (models, nodes) to rebalance directives.
+
+Coverage first: while any layer of any offered model has no node (loaded or loading), every
+assignment closes a gap. Only when every model is covered do idle nodes add redundancy, each
+copying an existing span exactly (so every replica is a drop-in hop of the same chain) where
+serving capacity per layer is lowest. Budgets are never over-committed. Same input, same plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from meshnet.types import LayerSpan, ModelId, NodeId
+
+
+@dataclass(frozen=True)
+class ModelOffer:
+    """A model the tracker offers: its depth and bytes per layer at each quantization."""
+
+    model: ModelId
+    num_layers: int
+    layer_bytes: Mapping[str, int]  # quant -> bytes of one layer's weights
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A span a node serves (`loaded`) or was told to load."""
+
+    model: ModelId
+    span: LayerSpan
+    loaded: bool = True
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the planner knows of a node."""
+
+    node_id: NodeId
+    budget_bytes: int  # for weights, after the node's KV-cache reserve
+    quant: str
+    throughput: float  # relative speed; higher is faster
+    holdings: tuple[Holding, ...] = ()
+    models: frozenset[ModelId] | None = None  # None: any offered model
+    failed: frozenset[tuple[ModelId, LayerSpan]] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class Directive:
+    """`LOAD_SHARD` or `DROP_SHARD` for one node, with the reason shown to operators."""
+
+    op: str
+    node_id: NodeId
+    model: ModelId
+    span: LayerSpan
+    reason: str
+
+
+def plan(models: Sequence[ModelOffer], nodes: Sequence[NodeView]) -> list[Directive]:
+    """The directives that move `nodes` towards full coverage, then redundancy."""
+    offers = {m.model: m for m in models}
+    nodes = sorted(nodes, key=lambda n: n.node_id)
+    free = {n.node_id: n.budget_bytes - _used(n, offers) for n in nodes}
+    holders = _holders(nodes, offers)
+    directives = _drops(nodes, offers, holders)
+    for offer in sorted(models, key=lambda m: m.model):
+        for gap in gaps(offer.num_layers, holders.get(offer.model, [])):
+            directives += _fill(offer, gap, nodes, free, holders)
+    if not any(gaps(m.num_layers, holders.get(m.model, [])) for m in models):
+        taken = {d.node_id for d in directives}
+        idle = [n for n in nodes if not n.holdings and n.node_id not in taken]
+        directives += _replicate(offers, idle, free, holders)
+    return directives
+
+
+def _used(node: NodeView, offers: Mapping[ModelId, ModelOffer]) -> int:
+    return sum(
+        len(h.span) * offers[h.model].layer_bytes[node.quant]
+        for h in node.holdings
+        if h.model in offers
+    )
+
+
+def _holders(
+    nodes: Iterable[NodeView], offers: Mapping[ModelId, ModelOffer]
+) -> dict[ModelId, list[tuple[LayerSpan, float]]]:
+    """model -> (span, throughput) of every holding, loaded or loading."""
+    found: dict[ModelId, list[tuple[LayerSpan, float]]] = {}
+    for node in nodes:
+        for h in node.holdings:
+            if h.model in offers:
+                found.setdefault(h.model, []).append((h.span, node.throughput))
+    return found
+
+
+def gaps(num_layers: int, held: Iterable[tuple[LayerSpan, float]]) -> list[LayerSpan]:
+    """Maximal runs of layers that no holding covers."""
+    covered = [False] * num_layers
+    for span, _ in held:
+        for layer in range(span.start, min(span.end, num_layers)):
+            covered[layer] = True
+    runs, start = [], None
+    for layer, is_covered in enumerate([*covered, True]):
+        if not is_covered and start is None:
+            start = layer
+        elif is_covered and start is not None:
+            runs.append(LayerSpan(start, layer))
+            start = None
+    return runs
+
+
+def _capacity(node: NodeView, offer: ModelOffer, free: Mapping[NodeId, int]) -> int:
+    """Layers of `offer` that still fit `node`'s free budget (0 if it may not serve it)."""
+    if node.models is not None and offer.model not in node.models:
+        return 0
+    per_layer = offer.layer_bytes.get(node.quant)
+    if not per_layer:
+        return 0
+    return max(0, free[node.node_id]) // per_layer
+
+
+def _fill(
+    offer: ModelOffer,
+    gap: LayerSpan,
+    nodes: Sequence[NodeView],
+    free: dict[NodeId, int],
+    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
+) -> list[Directive]:
+    """Close `gap` with as few spans as possible; idle nodes first, best fit first."""
+    out: list[Directive] = []
+    start = gap.start
+    busy = {n.node_id for n in nodes if n.holdings}
+    while start < gap.end:
+        need = gap.end - start
+        pick = _best_fit(offer, need, start, nodes, free, busy)
+        if pick is None:
+            break  # no node has room: the gap stays, and no redundancy is added anywhere
+        node, layers = pick
+        span = LayerSpan(start, start + layers)
+        free[node.node_id] -= layers * offer.layer_bytes[node.quant]
+        busy.add(node.node_id)
+        holders.setdefault(offer.model, []).append((span, node.throughput))
+        out.append(
+            Directive(
+                "LOAD_SHARD",
+                node.node_id,
+                offer.model,
+                span,
+                f"closes gap {gap} of {offer.model} (layers {span})",
+            )
+        )
+        start = span.end
+    return out
+
+
+def _best_fit(
+    offer: ModelOffer,
+    need: int,
+    start: int,
+    nodes: Sequence[NodeView],
+    free: Mapping[NodeId, int],
+    busy: set[NodeId],
+) -> tuple[NodeView, int] | None:
+    """The node for the next piece of a gap and how many layers it takes.
+
+    Idle nodes before busy ones; among them the smallest that holds the whole rest of the
+    gap (least waste, one hop), else the largest (longest span, fewest hops).
+    """
+    for pool in (False, True):
+        candidates = sorted(
+            (cap, n.node_id, n)
+            for n in nodes
+            if (n.node_id in busy) == pool and (cap := _capacity(n, offer, free)) > 0
+        )
+        candidates = [c for c in candidates if not _failed(c[2], offer, start, min(need, c[0]))]
+        if candidates:
+            keys = [c[0] for c in candidates]
+            i = bisect.bisect_left(keys, need)
+            if i == len(candidates):  # none holds the rest: the largest, lowest id first
+                i = keys.index(keys[-1])
+            cap, _, node = candidates[i]
+            return node, min(cap, need)
+    return None
+
+
+def _failed(node: NodeView, offer: ModelOffer, start: int, layers: int) -> bool:
+    return (offer.model, LayerSpan(start, start + layers)) in node.failed
+
+
+def _replicate(
+    offers: Mapping[ModelId, ModelOffer],
+    idle: Sequence[NodeView],
+    free: dict[NodeId, int],
+    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
+) -> list[Directive]:
+    """Give each idle node a copy of the existing span with the least capacity that fits it."""
+    out: list[Directive] = []
+    spans = sorted({(m, s) for m, held in holders.items() for s, _ in held})
+    capacity = {(m, s): sum(t for s2, t in holders[m] if s2 == s) for m, s in spans}
+    for node in sorted(idle, key=lambda n: (-n.budget_bytes, n.node_id)):
+        fits = [
+            (capacity[key], key)
+            for key in spans
+            if len(key[1]) <= _capacity(node, offers[key[0]], free) and key not in node.failed
+        ]
+        if not fits:
+            continue
+        weakest, (model, span) = min(fits)
+        free[node.node_id] -= len(span) * offers[model].layer_bytes[node.quant]
+        capacity[(model, span)] += node.throughput
+        out.append(
+            Directive(
+                "LOAD_SHARD",
+                node.node_id,
+                model,
+                span,
+                f"adds a replica of {model} layers {span}, the least served (capacity {weakest:g})",
+            )
+        )
+    return out
+
+
+def _drops(
+    nodes: Sequence[NodeView],
+    offers: Mapping[ModelId, ModelOffer],
+    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
+) -> list[Directive]:
+    """Drop holdings of models no longer offered (nothing else depends on them)."""
+    return [
+        Directive("DROP_SHARD", n.node_id, h.model, h.span, f"model {h.model} is no longer offered")
+        for n in nodes
+        for h in n.holdings
+        if h.model not in offers
+    ]

@@ -1,0 +1,90 @@
+"""Route choice: a pure function from the loaded spans of a model to a chain of hops."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshnet.errors import MissingLayersError, RouteError
+from meshnet.tracker.planner import gaps
+from meshnet.types import LayerSpan, ModelId, NodeId
+
+
+@dataclass(frozen=True)
+class Server:
+    """One node serving one loaded span."""
+
+    node_id: NodeId
+    address: str
+    span: LayerSpan
+    throughput: float  # higher is faster
+    sessions: int  # sessions it holds now
+
+
+def choose_route(
+    model: ModelId, num_layers: int, servers: Sequence[Server], start: int, rng: random.Random
+) -> list[Server]:
+    """Hops covering `[start, num_layers)`: fewest hops, then lowest estimated cost.
+
+    The cost of a hop is (1 + sessions) / throughput; among hops of equal cost `rng` picks,
+    which spreads sessions across replicas. Raises `MissingLayersError` naming uncovered
+    layers, or `RouteError` when layers are covered but no chain lines up.
+    """
+    best: dict[int, tuple[int, float]] = {num_layers: (0, 0.0)}  # position -> (hops, cost)
+    by_start: dict[int, list[Server]] = {}
+    for server in servers:
+        by_start.setdefault(server.span.start, []).append(server)
+    for position in range(num_layers - 1, start - 1, -1):
+        options = [
+            (best[s.span.end][0] + 1, best[s.span.end][1] + _cost(s))
+            for s in by_start.get(position, [])
+            if s.span.end in best
+        ]
+        if options:
+            best[position] = min(options)
+    if start not in best:
+        _raise_missing(model, num_layers, servers, start)
+    return _walk(best, by_start, start, num_layers, rng)
+
+
+def _cost(server: Server) -> float:
+    return (1 + server.sessions) / max(server.throughput, 1e-9)
+
+
+def _walk(
+    best: dict[int, tuple[int, float]],
+    by_start: dict[int, list[Server]],
+    start: int,
+    num_layers: int,
+    rng: random.Random,
+) -> list[Server]:
+    hops, position = [], start
+    while position < num_layers:
+        hops_left = best[position][0]
+        candidates = [
+            s
+            for s in by_start[position]
+            if s.span.end in best and best[s.span.end][0] == hops_left - 1
+        ]
+        cheapest = min(_cost(s) + best[s.span.end][1] for s in candidates)
+        ties = [s for s in candidates if _cost(s) + best[s.span.end][1] <= cheapest * 1.000001]
+        choice = ties[rng.randrange(len(ties))]
+        hops.append(choice)
+        position = choice.span.end
+    return hops
+
+
+def _raise_missing(model: ModelId, num_layers: int, servers: Sequence[Server], start: int) -> None:
+    missing = [
+        g for g in gaps(num_layers, [(s.span, s.throughput) for s in servers]) if g.end > start
+    ]
+    if missing:
+        text = ", ".join(str(g) for g in missing)
+        raise MissingLayersError(
+            f"no node serves layers {text} of {model}", missing=[(g.start, g.end) for g in missing]
+        )
+    raise RouteError(
+        f"every layer of {model} is served, but no chain of spans starts at "
+        f"layer {start} and reaches layer {num_layers}"
+    )
