@@ -38,3 +38,15 @@ class NodeConfig:
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this
     max_cache_bytes: int = 1 * GiB  # all sessions' KV caches together; LRU eviction above
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    """The control plane."""
+
+    models: tuple[str, ...] = ("default",)  # offered: `default`, .gguf files, folders, hub ids
+    host: str = "127.0.0.1"
+    port: int = 8000
+    heartbeat_interval_s: float = 2.0  # nodes heartbeat this often
+    dead_after_s: float = 6.0  # a node silent this long is dead; its spans leave the map
+    route_seed: int | None = None  # fixes replica choice in tests; None = random

@@ -32,14 +32,22 @@ async def _mesh_error(_: Request, exc: Exception) -> Response:
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    details = [
+        {
+            "loc": [str(p) for p in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    first = details[0] if details else {"loc": [], "msg": "invalid request"}
+    field = ".".join(p for p in first["loc"] if p != "body") or None
     body = {
         "error": {
             "type": "ValidationError",
-            "message": str(first.get("msg", "invalid")),
+            "message": f"{field}: {first['msg']}",
             "field": field,
-            "details": exc.errors(),
+            "details": details,
         }
     }
     return JSONResponse(body, status_code=400)

@@ -10,6 +10,7 @@ from meshnet.models.spec import ModelSpec
 
 # bytes per weight of a linear layer, and per other parameter (norms, biases), by quantization
 _LINEAR_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5}
+QUANTS = tuple(_LINEAR_BYTES)
 NF4_BLOCK = 64  # one float32 absmax per block of 64 weights
 
 

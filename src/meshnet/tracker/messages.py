@@ -1,0 +1,118 @@
+"""Control-plane messages (JSON over HTTP), each a declared pydantic model.
+
+Every model forbids unknown fields and is frozen; handlers receive these, never raw dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshnet.types import LayerSpan
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+Quant = Literal["fp32", "bf16", "int8", "nf4"]
+Op = Literal["LOAD_SHARD", "DROP_SHARD"]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardRef(Message):
+    """One span of one model."""
+
+    model: str = Field(pattern=ID_PATTERN)
+    span: LayerSpan
+
+
+class ShardFailure(Message):
+    shard: ShardRef
+    error: str = Field(max_length=2000)
+
+
+class DirectiveMessage(Message):
+    """A rebalance directive: load or drop one shard, and why."""
+
+    op: Op
+    model: str
+    source: str  # what the node passes to the model loader (e.g. `default`, a hub id)
+    span: LayerSpan
+    reason: str
+
+
+class RegisterRequest(Message):
+    node_id: str = Field(pattern=ID_PATTERN)
+    address: str = Field(pattern=r"^https?://[^\s/]+$", max_length=300)
+    models: list[str] | None = None  # models it may serve; None = any offered
+    budget_bytes: int = Field(gt=0)
+    kv_reserve_bytes: int = Field(ge=0, default=0)
+    quant: Quant
+    throughput: float = Field(gt=0)  # relative speed measured at start-up
+    loaded: list[ShardRef] = []
+
+
+class RegisterResponse(Message):
+    node_id: str
+    heartbeat_interval_s: float
+    directives: list[DirectiveMessage]
+
+
+class HeartbeatRequest(Message):
+    node_id: str = Field(pattern=ID_PATTERN)
+    loaded: list[ShardRef] = []
+    loading: list[ShardRef] = []
+    failed: list[ShardFailure] = []
+    sessions: int = Field(ge=0, default=0)
+
+
+class HeartbeatResponse(Message):
+    directives: list[DirectiveMessage]
+
+
+class LeaveRequest(Message):
+    node_id: str = Field(pattern=ID_PATTERN)
+
+
+class LayerCoverage(Message):
+    layer: int
+    serving: list[str]  # node ids with the layer loaded
+    loading: list[str]  # node ids told to load it
+
+
+class ModelCoverage(Message):
+    model: str
+    num_layers: int
+    layers: list[LayerCoverage]
+    gaps: list[LayerSpan]  # layers no node serves (loaded)
+    routable: bool  # a full chain of loaded spans exists
+
+
+class NodeSummary(Message):
+    node_id: str
+    address: str
+    budget_bytes: int
+    quant: Quant
+    throughput: float
+    loaded: list[ShardRef]
+    loading: list[ShardRef]
+    sessions: int
+    last_heartbeat_age_s: float
+
+
+class CoverageResponse(Message):
+    models: list[ModelCoverage]
+    nodes: list[NodeSummary]
+    recent_directives: list[DirectiveMessage]
+
+
+class RouteHop(Message):
+    node_id: str
+    address: str
+    span: LayerSpan
+
+
+class RouteResponse(Message):
+    model: str
+    hops: list[RouteHop]

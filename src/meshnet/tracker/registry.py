@@ -1,0 +1,174 @@
+"""The tracker's state: node records, heartbeat expiry, and planning on every change.
+
+All mutation goes through `Registry`; the clock is injected. Only spans a node reports
+loaded count as coverage; spans it was told to load (or reports loading) block re-assignment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from meshnet.errors import MeshError
+from meshnet.tracker import messages as msg
+from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
+from meshnet.types import LayerSpan, ModelId, NodeId
+
+log = logging.getLogger(__name__)
+Key = tuple[ModelId, LayerSpan]
+
+
+class UnknownNodeError(MeshError):
+    """A heartbeat from a node this tracker does not know (e.g. after a tracker restart)."""
+
+    http_status = 404
+
+
+class RegistrationError(MeshError):
+    http_status = 400
+
+
+@dataclass
+class NodeRecord:
+    request: msg.RegisterRequest
+    last_seen_s: float
+    loaded: set[Key] = field(default_factory=set)
+    assigned: set[Key] = field(default_factory=set)  # told to load, not yet reported loaded
+    failed: set[Key] = field(default_factory=set)
+    pending: list[Directive] = field(default_factory=list)  # not yet delivered
+    sessions: int = 0
+
+    def view(self) -> NodeView:
+        holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
+            Holding(m, s, False) for m, s in sorted(self.assigned - self.loaded)
+        )
+        r = self.request
+        return NodeView(
+            NodeId(r.node_id),
+            r.budget_bytes - r.kv_reserve_bytes,
+            r.quant,
+            r.throughput,
+            holdings,
+            frozenset(ModelId(m) for m in r.models) if r.models else None,
+            frozenset(self.failed),
+        )
+
+
+class Registry:
+    """Nodes, their shards, and the directives owed to them."""
+
+    def __init__(
+        self,
+        offers: Sequence[ModelOffer],
+        sources: dict[ModelId, str],
+        *,
+        dead_after_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.offers = {o.model: o for o in offers}
+        self.sources = sources  # model id -> what nodes pass to their loader
+        self.dead_after_s = dead_after_s
+        self.clock = clock
+        self.nodes: dict[NodeId, NodeRecord] = {}
+        self.recent: deque[Directive] = deque(maxlen=50)
+
+    def register(self, request: msg.RegisterRequest) -> list[Directive]:
+        loaded = {self._key(ref) for ref in request.loaded}
+        self.nodes[NodeId(request.node_id)] = NodeRecord(request, self.clock(), loaded=loaded)
+        log.info(
+            "node %s registered at %s (%d bytes, %s)",
+            request.node_id,
+            request.address,
+            request.budget_bytes,
+            request.quant,
+        )
+        self.replan()
+        return self._deliver(NodeId(request.node_id))
+
+    def heartbeat(self, beat: msg.HeartbeatRequest) -> list[Directive]:
+        record = self.nodes.get(NodeId(beat.node_id))
+        if record is None:
+            raise UnknownNodeError(
+                f"node {beat.node_id} is not registered; register again", field="node_id"
+            )
+        loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
+        loading = {self._key(ref) for ref in beat.loading}
+        failed = {self._key(f.shard) for f in beat.failed}
+        record.last_seen_s = self.clock()
+        record.loaded = loaded
+        record.failed |= failed
+        reported = loaded | loading
+        undelivered = {(d.model, d.span) for d in record.pending if d.op == "LOAD_SHARD"}
+        record.assigned = (record.assigned & (reported | undelivered)) - record.failed
+        record.sessions = beat.sessions
+        self.replan()
+        return self._deliver(NodeId(beat.node_id))
+
+    def leave(self, node_id: NodeId) -> bool:
+        gone = self.nodes.pop(node_id, None) is not None
+        if gone:
+            log.info("node %s left; re-planning its spans", node_id)
+            self.replan()
+        return gone
+
+    def expire(self) -> list[NodeId]:
+        now = self.clock()
+        dead = [n for n, r in self.nodes.items() if now - r.last_seen_s > self.dead_after_s]
+        for node_id in dead:
+            log.warning("node %s missed heartbeats for %.1f s: dead", node_id, self.dead_after_s)
+            del self.nodes[node_id]
+        if dead:
+            self.replan()
+        return dead
+
+    def replan(self) -> None:
+        """Run the planner; queue each new directive for its node."""
+        views = [r.view() for r in self.nodes.values()]
+        for directive in plan(list(self.offers.values()), views):
+            record = self.nodes[directive.node_id]
+            key = (directive.model, directive.span)
+            if directive.op == "LOAD_SHARD":
+                record.assigned.add(key)
+            else:
+                record.loaded.discard(key)
+                record.assigned.discard(key)
+            record.pending.append(directive)
+            self.recent.append(directive)
+            log.info(
+                "%s %s %s to %s: %s",
+                directive.op,
+                directive.model,
+                directive.span,
+                directive.node_id,
+                directive.reason,
+            )
+
+    def _deliver(self, node_id: NodeId) -> list[Directive]:
+        record = self.nodes[node_id]
+        out, record.pending = record.pending, []
+        return out
+
+    def _key(self, ref: msg.ShardRef) -> Key:
+        offer = self.offers.get(ModelId(ref.model))
+        if offer is None:
+            raise RegistrationError(
+                f"model {ref.model!r} is not offered by this tracker "
+                f"(offered: {sorted(self.offers)})",
+                field="model",
+            )
+        if ref.span.end > offer.num_layers:
+            raise RegistrationError(
+                f"span {ref.span} is outside {ref.model}'s {offer.num_layers} layers", field="span"
+            )
+        return ModelId(ref.model), ref.span
+
+    def to_message(self, directive: Directive) -> msg.DirectiveMessage:
+        return msg.DirectiveMessage(
+            op=directive.op,
+            model=directive.model,
+            source=self.sources.get(directive.model, directive.model),
+            span=directive.span,
+            reason=directive.reason,
+        )

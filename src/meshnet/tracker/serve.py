@@ -1,0 +1,48 @@
+"""Start the tracker: resolve the offered models' configs (no weights), then serve."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+
+from meshnet.config import TrackerConfig
+from meshnet.models.sizing import QUANTS, layer_bytes
+from meshnet.models.source import resolve
+from meshnet.tracker.app import create_app
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.registry import Registry
+from meshnet.types import ModelId, is_valid_id
+
+log = logging.getLogger(__name__)
+
+
+def offer(name: str) -> ModelOffer:
+    """What the tracker offers for model `name`: its depth and per-layer bytes per quant."""
+    source = resolve(name)
+    model_id = name if is_valid_id(name) else source.model_id.replace("/", "--")
+    return ModelOffer(
+        ModelId(model_id), source.spec.num_layers, {q: layer_bytes(source.spec, q) for q in QUANTS}
+    )
+
+
+def build_registry(config: TrackerConfig) -> Registry:
+    offers, sources = [], {}
+    for name in config.models:
+        model = offer(name)
+        offers.append(model)
+        sources[model.model] = name
+        log.info(
+            "offering %s: %d layers, %d bytes per layer at fp32",
+            model.model,
+            model.num_layers,
+            model.layer_bytes["fp32"],
+        )
+    return Registry(offers, sources, dead_after_s=config.dead_after_s, clock=time.monotonic)
+
+
+def serve(config: TrackerConfig) -> None:
+    app = create_app(build_registry(config), config)
+    log.info("tracker on http://%s:%d", config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -1,0 +1,93 @@
+"""Read-only views of the registry: the coverage map and routes."""
+
+from __future__ import annotations
+
+import random
+
+from meshnet.errors import RouteError
+from meshnet.tracker import messages as msg
+from meshnet.tracker.planner import gaps
+from meshnet.tracker.registry import Registry
+from meshnet.tracker.routing import Server, choose_route
+from meshnet.types import ModelId
+
+
+def servers(registry: Registry, model: ModelId) -> list[Server]:
+    """Every loaded span of `model`, with its node's address and load."""
+    return [
+        Server(node_id, r.request.address, span, r.request.throughput, r.sessions)
+        for node_id, r in sorted(registry.nodes.items())
+        for m, span in sorted(r.loaded)
+        if m == model
+    ]
+
+
+def route(registry: Registry, model: str, start: int, rng: random.Random) -> msg.RouteResponse:
+    offer = registry.offers.get(ModelId(model))
+    if offer is None:
+        raise RouteError(
+            f"model {model!r} is not offered (offered: {sorted(registry.offers)})", field="model"
+        )
+    if not 0 <= start < offer.num_layers:
+        raise RouteError(
+            f"start {start} is outside {model}'s {offer.num_layers} layers", field="start"
+        )
+    hops = choose_route(offer.model, offer.num_layers, servers(registry, offer.model), start, rng)
+    return msg.RouteResponse(
+        model=model,
+        hops=[msg.RouteHop(node_id=h.node_id, address=h.address, span=h.span) for h in hops],
+    )
+
+
+def coverage(registry: Registry) -> msg.CoverageResponse:
+    now = registry.clock()
+    models = []
+    for model_id, offer in sorted(registry.offers.items()):
+        serving: list[list[str]] = [[] for _ in range(offer.num_layers)]
+        loading: list[list[str]] = [[] for _ in range(offer.num_layers)]
+        for node_id, r in sorted(registry.nodes.items()):
+            for m, span in r.loaded | r.assigned:
+                if m == model_id:
+                    target = serving if (m, span) in r.loaded else loading
+                    for layer in span:
+                        target[layer].append(node_id)
+        live = servers(registry, model_id)
+        models.append(
+            msg.ModelCoverage(
+                model=model_id,
+                num_layers=offer.num_layers,
+                layers=[
+                    msg.LayerCoverage(layer=i, serving=serving[i], loading=loading[i])
+                    for i in range(offer.num_layers)
+                ],
+                gaps=gaps(offer.num_layers, [(s.span, 1.0) for s in live]),
+                routable=_routable(offer.model, offer.num_layers, live),
+            )
+        )
+    nodes = [
+        msg.NodeSummary(
+            node_id=n,
+            address=r.request.address,
+            budget_bytes=r.request.budget_bytes,
+            quant=r.request.quant,
+            throughput=r.request.throughput,
+            loaded=[msg.ShardRef(model=m, span=s) for m, s in sorted(r.loaded)],
+            loading=[msg.ShardRef(model=m, span=s) for m, s in sorted(r.assigned - r.loaded)],
+            sessions=r.sessions,
+            last_heartbeat_age_s=round(now - r.last_seen_s, 3),
+        )
+        for n, r in sorted(registry.nodes.items())
+    ]
+    return msg.CoverageResponse(
+        models=models,
+        nodes=nodes,
+        recent_directives=[registry.to_message(d) for d in registry.recent],
+    )
+
+
+def _routable(model: ModelId, num_layers: int, live: list[Server]) -> bool:
+    try:
+        choose_route(model, num_layers, live, 0, random.Random(0))
+    except RouteError:
+        return False
+    return True

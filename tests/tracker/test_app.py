@@ -1,0 +1,195 @@
+"""The tracker app in-process: registration, heartbeats, expiry, coverage, routes, refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from meshnet.config import TrackerConfig
+from meshnet.tracker.app import create_app
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.registry import Registry
+from meshnet.types import ModelId
+
+MB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def mesh() -> tuple[TestClient, Clock]:
+    clock = Clock()
+    offers = [ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")})]
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=6.0, clock=clock)
+    app = create_app(registry, TrackerConfig(route_seed=0))
+    return TestClient(app), clock
+
+
+def register(client: TestClient, node: str, budget_mb: int, **extra: Any) -> dict[str, Any]:
+    body = {
+        "node_id": node,
+        "address": f"http://127.0.0.1:{9000 + len(node)}",
+        "budget_bytes": budget_mb * MB,
+        "quant": "fp32",
+        "throughput": 1.0,
+        **extra,
+    }
+    response = client.post("/v1/nodes/register", json=body)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def beat(client: TestClient, node: str, loaded: list[dict[str, Any]]) -> dict[str, Any]:
+    response = client.post("/v1/nodes/heartbeat", json={"node_id": node, "loaded": loaded})
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def test_directives_then_loaded_spans_make_coverage_and_a_route(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    client, _ = mesh
+    shards = {}
+    for node in ("a", "b", "c"):
+        directives = register(client, node, 110)["directives"]
+        assert [d["op"] for d in directives] == ["LOAD_SHARD"]
+        shards[node] = {"model": "m", "span": directives[0]["span"]}
+    coverage = client.get("/v1/coverage").json()["models"][0]
+    assert coverage["gaps"] == [{"start": 0, "end": 30}] and not coverage["routable"]
+    assert coverage["layers"][0]["loading"] == ["a"]
+    assert client.get("/v1/route", params={"model": "m"}).status_code == 503
+    for node, shard in shards.items():
+        beat(client, node, [shard])
+    coverage = client.get("/v1/coverage").json()["models"][0]
+    assert coverage["gaps"] == [] and coverage["routable"]
+    route = client.get("/v1/route", params={"model": "m"}).json()
+    assert [h["span"] for h in route["hops"]] == [
+        {"start": 0, "end": 11},
+        {"start": 11, "end": 22},
+        {"start": 22, "end": 30},
+    ]
+    partial = client.get("/v1/route", params={"model": "m", "start": 11}).json()
+    assert [h["node_id"] for h in partial["hops"]] == ["b", "c"]
+
+
+def test_a_silent_node_dies_and_its_layers_go_to_a_newcomer(mesh: tuple[TestClient, Clock]) -> None:
+    client, clock = mesh
+    for node in ("a", "b", "c"):  # 10 layers each: no room to spare
+        span = register(client, node, 100)["directives"][0]["span"]
+        beat(client, node, [{"model": "m", "span": span}])
+    clock.now = 5.0
+    beat(client, "a", [{"model": "m", "span": {"start": 0, "end": 10}}])
+    beat(client, "c", [{"model": "m", "span": {"start": 20, "end": 30}}])
+    clock.now = 7.0  # b last seen at 0
+    error = client.get("/v1/route", params={"model": "m"})
+    assert error.status_code == 503
+    assert "10:20" in error.json()["error"]["message"]
+    directives = register(client, "d", 300)["directives"]
+    assert [(d["op"], d["span"]) for d in directives] == [("LOAD_SHARD", {"start": 10, "end": 20})]
+    assert "closes gap 10:20" in directives[0]["reason"]
+
+
+def test_unknown_node_heartbeat_asks_to_register_again(mesh: tuple[TestClient, Clock]) -> None:
+    client, _ = mesh
+    response = client.post("/v1/nodes/heartbeat", json={"node_id": "ghost"})
+    assert response.status_code == 404
+    assert "register again" in response.json()["error"]["message"]
+
+
+def test_restarted_tracker_takes_loaded_spans_from_registration(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    client, _ = mesh
+    register(client, "a", 400, loaded=[{"model": "m", "span": {"start": 0, "end": 30}}])
+    assert client.get("/v1/coverage").json()["models"][0]["routable"]
+
+
+def test_leaving_replans_at_once(mesh: tuple[TestClient, Clock]) -> None:
+    client, _ = mesh
+    register(client, "a", 400, loaded=[{"model": "m", "span": {"start": 0, "end": 30}}])
+    assert client.post("/v1/nodes/leave", json={"node_id": "a"}).json() == {"left": True}
+    assert client.get("/v1/coverage").json()["models"][0]["gaps"] == [{"start": 0, "end": 30}]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "node_id": "../x",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+        },
+        {"node_id": "a", "address": "ftp://h", "budget_bytes": 1, "quant": "fp32", "throughput": 1},
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 0,
+            "quant": "fp32",
+            "throughput": 1,
+        },
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp8",
+            "throughput": 1,
+        },
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+            "extra": 1,
+        },
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+            "loaded": [{"model": "other", "span": {"start": 0, "end": 1}}],
+        },
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+            "loaded": [{"model": "m", "span": {"start": 0, "end": 31}}],
+        },
+        {
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+            "loaded": [{"model": "m", "span": {"start": 5, "end": 5}}],
+        },
+    ],
+)
+def test_bad_registrations_are_refused_and_change_nothing(
+    mesh: tuple[TestClient, Clock], body: dict[str, Any]
+) -> None:
+    client, _ = mesh
+    response = client.post("/v1/nodes/register", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
+    assert client.get("/health").json()["nodes"] == 0
+
+
+def test_openapi_is_served(mesh: tuple[TestClient, Clock]) -> None:
+    client, _ = mesh
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/nodes/register", "/v1/nodes/heartbeat", "/v1/coverage", "/v1/route"} <= set(paths)
