@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
 from meshnet import __version__
-from meshnet.config import NodeConfig
+from meshnet.config import NodeConfig, TrackerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,12 +36,81 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--host", default="127.0.0.1")
     node.add_argument("--port", type=int, default=8001)
+    node.add_argument("--tracker", help="join this tracker (URL) and serve what it assigns")
+    node.add_argument("--public-address", help="address peers use, if not http://HOST:PORT")
+    node.add_argument(
+        "--budget",
+        type=parse_bytes,
+        help="memory for weights and KV cache, e.g. 4GiB (default: free GPU "
+        "memory, or half the available RAM)",
+    )
+    node.add_argument("--data-dir", help="where the node keeps its id (default ~/.meshnet)")
+    tracker = sub.add_parser("tracker", help="run the control plane")
+    tracker.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help="a model to offer (repeatable; default: default)",
+    )
+    tracker.add_argument("--host", default="127.0.0.1")
+    tracker.add_argument("--port", type=int, default=8000)
+    tracker.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    tracker.add_argument(
+        "--dead-after",
+        type=float,
+        default=6.0,
+        help="seconds without a heartbeat before a node counts as dead",
+    )
     return parser
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MB`, `1e9` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else "?"
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
+    try:
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
-        model=args.model, layers=args.layers, quant=args.quant, host=args.host, port=args.port
+        model=args.model,
+        layers=args.layers,
+        quant=args.quant,
+        host=args.host,
+        port=args.port,
+        tracker_url=args.tracker,
+        public_address=args.public_address,
+        budget_bytes=args.budget,
+        data_dir=args.data_dir,
+    )
+
+
+def tracker_config(args: argparse.Namespace) -> TrackerConfig:
+    return TrackerConfig(
+        models=tuple(args.models or ["default"]),
+        host=args.host,
+        port=args.port,
+        heartbeat_interval_s=args.heartbeat_interval,
+        dead_after_s=args.dead_after,
     )
 
 
@@ -61,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshnet.node.serve import serve
 
         serve(node_config(args))
+        return 0
+    if args.command == "tracker":
+        from meshnet.tracker.serve import serve as serve_tracker
+
+        serve_tracker(tracker_config(args))
         return 0
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return 2

@@ -38,6 +38,11 @@ class NodeConfig:
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this
     max_cache_bytes: int = 1 * GiB  # all sessions' KV caches together; LRU eviction above
+    tracker_url: str | None = None  # join this tracker and serve what it assigns
+    public_address: str | None = None  # the address peers use, when not http://host:port
+    budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
+    kv_reserve_fraction: float = 0.1  # share of the budget kept for KV caches
+    data_dir: str | None = None  # keeps the node id across restarts; None = ~/.meshnet/node-PORT
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
 from starlette.applications import Starlette
@@ -18,12 +19,13 @@ from meshnet.config import WireConfig, WireLimits
 from meshnet.errors import PayloadTooLargeError, SessionNotFoundError, WireError
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.runner import ShardRunner
-from meshnet.types import SessionId
+from meshnet.types import LayerSpan, SessionId
 from meshnet.wire import decode, encode
 from meshnet.wire import headers as h
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Lifespan = Callable[[Starlette], AbstractAsyncContextManager[None]]
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -49,19 +51,32 @@ INLINE_MAX_TOKENS = 4
 
 
 class NodeService:
-    """Binds a runner to HTTP.
+    """Binds the node's shard runners to HTTP.
 
-    Runner calls are serialised by one lock (the runner owns all cores; its sessions need no
-    locking of their own). Small frames run inline, larger ones on one dedicated worker
+    Runner calls are serialised by one lock (the runners share all cores; their sessions need
+    no locking of their own). Small frames run inline, larger ones on one dedicated worker
     thread; anyio's pool (Starlette's `run_in_threadpool`) cost ~0.27 ms per call here.
     """
 
-    def __init__(self, runner: ShardRunner, limits: WireLimits, wire: WireConfig) -> None:
-        self.runner = runner
+    def __init__(
+        self, runners: Sequence[ShardRunner], limits: WireLimits, wire: WireConfig
+    ) -> None:
+        self.runners: dict[tuple[str, LayerSpan], ShardRunner] = {}
+        for runner in runners:
+            self.add(runner)
         self.limits = limits
         self.wire = wire
         self.lock = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+
+    def add(self, runner: ShardRunner) -> None:
+        self.runners[(runner.model, runner.span)] = runner
+
+    def remove(self, model: str, span: LayerSpan) -> bool:
+        return self.runners.pop((model, span), None) is not None
+
+    def session_count(self) -> int:
+        return sum(r.session_count() for r in self.runners.values())
 
     async def call(self, inline: bool, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` alone: on this thread when `inline`, else on the worker thread."""
@@ -73,49 +88,56 @@ class NodeService:
     async def forward(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         meta, hidden = decode(request.headers, body, self.limits)
-        if meta.model != self.runner.model or meta.span != self.runner.span:
+        runner = self.runners.get((meta.model, meta.span))
+        if runner is None:
+            served = ", ".join(f"{m} {s}" for m, s in sorted(self.runners)) or "nothing yet"
             raise WireError(
-                f"this node serves {self.runner.model} layers {self.runner.span}, "
-                f"not {meta.model} layers {meta.span}",
-                field=h.LAYERS,
+                f"this node serves {served}, not {meta.model} layers {meta.span}", field=h.LAYERS
             )
         inline = hidden.shape[1] <= INLINE_MAX_TOKENS
-        out = await self.call(inline, self.runner.forward, meta, hidden)
+        out = await self.call(inline, runner.forward, meta, hidden)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
     async def drop_session(self, request: Request) -> Response:
         session = SessionId(request.path_params["session"])
-        existed = await self.call(True, self.runner.drop, session)
-        if not existed:
+        dropped = [await self.call(True, r.drop, session) for r in list(self.runners.values())]
+        if not any(dropped):
             raise SessionNotFoundError(
                 f"no session {session[:128]!r} on this node", field="session"
             )
         return JSONResponse({"dropped": session})
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse(
-            {
-                "status": "ok",
-                "version": __version__,
-                "model": self.runner.model,
-                "span": str(self.runner.span),
-                "sessions": self.runner.session_count(),
-            }
-        )
+        shards = [{"model": m, "span": str(s)} for m, s in sorted(self.runners)]
+        body: dict[str, object] = {
+            "status": "ok",
+            "version": __version__,
+            "shards": shards,
+            "sessions": self.session_count(),
+        }
+        if len(shards) == 1:
+            body |= shards[0]
+        return JSONResponse(body)
 
 
 def create_app(
-    runner: ShardRunner, limits: WireLimits = WireLimits(), wire: WireConfig = WireConfig()
+    runner: ShardRunner | None = None,
+    limits: WireLimits = WireLimits(),
+    wire: WireConfig = WireConfig(),
+    *,
+    service: NodeService | None = None,
+    lifespan: Lifespan | None = None,
 ) -> Starlette:
-    """The node's ASGI app around `runner`.
+    """The node's ASGI app around `runner` (or a prepared `service` with many runners).
 
     Plain Starlette: the activation plane is on every token's path, and FastAPI's layers
     (parameter machinery, extra middleware) cost a measurable share of a hop. The JSON apps
     (tracker, API) use FastAPI for schemas and OpenAPI.
     """
-    service = NodeService(runner, limits, wire)
-    app = Starlette(middleware=[Middleware(WireVersionHeader)])
+    service = service or NodeService([runner] if runner else [], limits, wire)
+    app = Starlette(middleware=[Middleware(WireVersionHeader)], lifespan=lifespan)
+    app.state.service = service
     install_error_handlers(app)
     app.add_route("/forward", service.forward, methods=["POST"])
     app.add_route("/sessions/{session}", service.drop_session, methods=["DELETE"])

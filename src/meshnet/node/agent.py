@@ -1,0 +1,136 @@
+"""The node's side of the control plane: register, heartbeat, carry out directives.
+
+A node needs nothing but the tracker's address and a budget: it registers (with any spans it
+already holds), heartbeats every interval with what it has loaded, is loading and failed to
+load, and loads or drops shards as the tracker's directives say. When the tracker does not
+know it (a tracker restart), it registers again by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from meshnet.node.app import NodeService
+from meshnet.node.runner import ShardRunner
+from meshnet.tracker import messages as msg
+from meshnet.types import LayerSpan
+
+log = logging.getLogger(__name__)
+Loader = Callable[[str, str, LayerSpan], ShardRunner]  # (model id, source, span) -> runner
+
+
+def node_id(data_dir: Path) -> str:
+    """This node's id, created once and kept in `data_dir` so a restart keeps its identity."""
+    path = data_dir / "node_id"
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    new = f"node-{uuid.uuid4().hex[:12]}"
+    path.write_text(new + "\n")
+    return new
+
+
+class NodeAgent:
+    """Keeps one node registered with one tracker and its shards as the tracker directs."""
+
+    def __init__(
+        self,
+        service: NodeService,
+        client: httpx.AsyncClient,
+        registration: msg.RegisterRequest,
+        loader: Loader,
+    ) -> None:
+        self.service = service
+        self.client = client  # base_url = the tracker
+        self.registration = registration
+        self.loader = loader
+        self.interval_s = 2.0
+        self.loading: dict[tuple[str, LayerSpan], asyncio.Task[None]] = {}
+        self.failed: list[msg.ShardFailure] = []
+        self.registered = False
+
+    def loaded(self) -> list[msg.ShardRef]:
+        return [msg.ShardRef(model=m, span=s) for m, s in sorted(self.service.runners)]
+
+    async def run(self) -> None:
+        """Register, then heartbeat forever (cancel to stop)."""
+        while True:
+            try:
+                await self._beat()
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("tracker unreachable (%s); retrying in %.1f s", exc, self.interval_s)
+            await asyncio.sleep(self.interval_s)
+
+    async def leave(self) -> None:
+        try:
+            await self.client.post(
+                "/v1/nodes/leave", json={"node_id": self.registration.node_id}, timeout=2.0
+            )
+        except httpx.HTTPError as exc:
+            log.warning("could not tell the tracker we are leaving: %s", exc)
+
+    async def _beat(self) -> None:
+        if not self.registered:
+            await self._register()
+            return
+        beat = msg.HeartbeatRequest(
+            node_id=self.registration.node_id,
+            loaded=self.loaded(),
+            loading=[msg.ShardRef(model=m, span=s) for m, s in self.loading],
+            failed=self.failed,
+            sessions=self.service.session_count(),
+        )
+        response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
+        if response.status_code == 404:
+            log.info("the tracker does not know this node (restarted?); registering again")
+            self.registered = False
+            await self._register()
+            return
+        response.raise_for_status()
+        self.failed = []
+        self._apply(msg.HeartbeatResponse.model_validate(response.json()).directives)
+
+    async def _register(self) -> None:
+        request = self.registration.model_copy(update={"loaded": self.loaded()})
+        response = await self.client.post(
+            "/v1/nodes/register", json=request.model_dump(mode="json")
+        )
+        response.raise_for_status()
+        answer = msg.RegisterResponse.model_validate(response.json())
+        self.interval_s = answer.heartbeat_interval_s
+        self.registered = True
+        log.info("registered with the tracker as %s", answer.node_id)
+        self._apply(answer.directives)
+
+    def _apply(self, directives: list[msg.DirectiveMessage]) -> None:
+        for d in directives:
+            log.info("%s %s %s: %s", d.op, d.model, d.span, d.reason)
+            key = (d.model, d.span)
+            if d.op == "DROP_SHARD":
+                self.service.remove(d.model, d.span)
+            elif key not in self.service.runners and key not in self.loading:
+                self.loading[key] = asyncio.create_task(self._load(d))
+
+    async def _load(self, d: msg.DirectiveMessage) -> None:
+        key = (d.model, d.span)
+        try:
+            runner = await asyncio.get_running_loop().run_in_executor(
+                self.service.worker, self.loader, d.model, d.source, d.span
+            )
+            self.service.add(runner)
+            log.info("loaded %s layers %s", d.model, d.span)
+        except Exception as exc:  # a load is a task boundary: report, let the tracker re-plan
+            log.exception("loading %s layers %s failed", d.model, d.span)
+            self.failed.append(
+                msg.ShardFailure(
+                    shard=msg.ShardRef(model=d.model, span=d.span), error=str(exc)[:2000]
+                )
+            )
+        finally:
+            self.loading.pop(key, None)

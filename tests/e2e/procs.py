@@ -1,0 +1,60 @@
+"""Real processes on loopback for end-to-end tests: start, wait on readiness, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`meshnet ARGS` as a child process, output to `log`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll `condition` until true; seconds it took. Raises with `what` on timeout."""
+    start_s = time.monotonic()
+    while time.monotonic() - start_s < timeout_s:
+        try:
+            if condition():
+                return time.monotonic() - start_s
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def get_json(url: str) -> Any:
+    return httpx.get(url, timeout=2.0).json()
+
+
+def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,152 @@
+"""A tracker and real nodes on loopback: coverage by directives alone, failure, restarts."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+
+HEARTBEAT_S, DEAD_AFTER_S = 0.5, 2.0
+# fp32 layers of the default model are 14,160,384 bytes; with the 10% KV reserve, 165 MB
+# holds exactly 10 of them, so three nodes must split the 30 layers three ways.
+BUDGET = "165MB"
+
+
+def spans(coverage: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    return {
+        n["node_id"]: [(s["span"]["start"], s["span"]["end"]) for s in n["loaded"]]
+        for n in coverage["nodes"]
+    }
+
+
+def model(coverage: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = coverage["models"][0]
+    return result
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tracker_args = [
+        "tracker",
+        "--model",
+        "default",
+        "--port",
+        str(port),
+        "--heartbeat-interval",
+        str(HEARTBEAT_S),
+        "--dead-after",
+        str(DEAD_AFTER_S),
+    ]
+    procs: dict[str, subprocess.Popen[bytes]] = {
+        "tracker": start(tracker_args, tmp_path / "tracker.log")
+    }
+
+    def add_node(name: str, budget: str = BUDGET) -> None:
+        procs[name] = start(
+            [
+                "node",
+                "--tracker",
+                url,
+                "--port",
+                str(free_port()),
+                "--budget",
+                budget,
+                "--quant",
+                "fp32",
+                "--data-dir",
+                str(tmp_path / name),
+            ],
+            tmp_path / f"{name}.log",
+        )
+
+    state = {
+        "url": url,
+        "procs": procs,
+        "add_node": add_node,
+        "tracker_args": tracker_args,
+        "logs": tmp_path,
+    }
+    try:
+        wait_for(lambda: get_json(f"{url}/health")["status"] == "ok", 60, "the tracker")
+        yield state
+    finally:
+        for process in procs.values():
+            stop(process)
+
+
+@pytest.mark.slow
+def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str, Any]) -> None:
+    url, procs = cluster["url"], cluster["procs"]
+    for name in ("n1", "n2", "n3"):
+        cluster["add_node"](name)
+    wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 120, "full coverage")
+    coverage = get_json(f"{url}/v1/coverage")
+    assert sorted(s for v in spans(coverage).values() for s in v) == [(0, 10), (10, 20), (20, 30)]
+    route = get_json(f"{url}/v1/route?model=default")
+    assert [(h["span"]["start"], h["span"]["end"]) for h in route["hops"]] == [
+        (0, 10),
+        (10, 20),
+        (20, 30),
+    ]
+
+    # SIGKILL the node serving 10:20: its layers become a gap once it misses heartbeats.
+    victim_id = next(n for n, s in spans(coverage).items() if s == [(10, 20)])
+    victim = next(
+        name
+        for name in ("n1", "n2", "n3")
+        if (cluster["logs"] / name / "node_id").read_text().strip() == victim_id
+    )
+    procs[victim].kill()
+    wait_for(
+        lambda: model(get_json(f"{url}/v1/coverage"))["gaps"] == [{"start": 10, "end": 20}],
+        4 * DEAD_AFTER_S,
+        "the gap",
+    )
+
+    # A fourth node with room is told to load exactly the gap, within two heartbeats.
+    cluster["add_node"]("n4", "400MB")
+    n4_id = lambda: (cluster["logs"] / "n4" / "node_id").read_text().strip()  # noqa: E731
+    wait_for(lambda: (cluster["logs"] / "n4" / "node_id").exists(), 60, "n4 to start")
+    told = wait_for(
+        lambda: any(d["node_id"] == n4_id() for d in get_json(f"{url}/v1/coverage")["nodes"]),
+        60,
+        "n4 to register",
+    )
+    directives = [
+        d
+        for d in get_json(f"{url}/v1/coverage")["recent_directives"]
+        if d["span"] == {"start": 10, "end": 20} and d["op"] == "LOAD_SHARD"
+    ]
+    assert directives and "closes gap 10:20" in directives[-1]["reason"]
+    wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 60, "coverage again")
+    assert spans(get_json(f"{url}/v1/coverage"))[n4_id()] == [(10, 20)]
+    assert told >= 0
+
+    # Restart the tracker: the nodes register again by themselves with what they hold.
+    procs["tracker"].send_signal(signal.SIGKILL)
+    procs["tracker"].wait()
+    procs["tracker"] = start(cluster["tracker_args"], cluster["logs"] / "tracker2.log")
+    wait_for(
+        lambda: model(get_json(f"{url}/v1/coverage"))["routable"],
+        60,
+        "coverage after the tracker restart",
+    )
+    assert len(get_json(f"{url}/v1/coverage")["nodes"]) == 3
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_and_replans_before_the_heartbeat_expires(cluster: dict[str, Any]) -> None:
+    url, procs = cluster["url"], cluster["procs"]
+    cluster["add_node"]("solo", "500MB")  # 450 MB after the reserve: all 30 layers
+    wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 120, "coverage")
+    procs["solo"].send_signal(signal.SIGTERM)
+    took = wait_for(lambda: get_json(f"{url}/v1/coverage")["nodes"] == [], 10, "the leave")
+    assert took < DEAD_AFTER_S  # told, not timed out
