@@ -23,6 +23,16 @@ def test_wire_imports_no_http_framework() -> None:
     assert not loaded & set(HTTP_FRAMEWORKS)
 
 
+def test_tracker_never_imports_torch() -> None:
+    code = (
+        "import sys; from meshnet.tracker.serve import build_registry; "
+        "from meshnet.config import TrackerConfig; build_registry(TrackerConfig()); "
+        "print(sorted(m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_sizing_from_a_config_needs_no_torch() -> None:
     code = (
         "import sys; from meshnet.models.source import resolve; "

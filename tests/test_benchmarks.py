@@ -36,6 +36,11 @@ def test_hop_benchmark_prints_round_trips() -> None:
     assert len(rows) == 4 and all(float(row.split("|")[4]) > 0 for row in rows)
 
 
+def test_planner_benchmark_prints_plan_times() -> None:
+    rows = [line for line in run_tiny("planner.py").splitlines() if line.startswith("| 200")]
+    assert len(rows) == 1 and float(rows[0].split("|")[3]) >= 0
+
+
 @pytest.mark.slow
 def test_shard_benchmark_prints_a_table() -> None:
     rows = [line for line in run_tiny("shard.py").splitlines() if line.startswith("| fp32")]

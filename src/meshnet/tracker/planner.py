@@ -8,7 +8,6 @@ serving capacity per layer is lowest. Budgets are never over-committed. Same inp
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -165,22 +164,25 @@ def _best_fit(
     """The node for the next piece of a gap and how many layers it takes.
 
     Idle nodes before busy ones; among them the smallest that holds the whole rest of the
-    gap (least waste, one hop), else the largest (longest span, fewest hops).
+    gap (least waste, one hop), else the largest (longest span, fewest hops); ties go to the
+    lowest node id. One pass over the nodes, no sorting: this runs once per piece of a gap.
     """
     for pool in (False, True):
-        candidates = sorted(
-            (cap, n.node_id, n)
-            for n in nodes
-            if (n.node_id in busy) == pool and (cap := _capacity(n, offer, free)) > 0
-        )
-        candidates = [c for c in candidates if not _failed(c[2], offer, start, min(need, c[0]))]
-        if candidates:
-            keys = [c[0] for c in candidates]
-            i = bisect.bisect_left(keys, need)
-            if i == len(candidates):  # none holds the rest: the largest, lowest id first
-                i = keys.index(keys[-1])
-            cap, _, node = candidates[i]
-            return node, min(cap, need)
+        fit: tuple[int, str, NodeView] | None = None  # smallest cap >= need
+        largest: tuple[int, str, NodeView] | None = None  # largest cap (then lowest id)
+        for n in nodes:
+            if (n.node_id in busy) != pool:
+                continue
+            cap = _capacity(n, offer, free)
+            if cap <= 0 or (n.failed and _failed(n, offer, start, min(need, cap))):
+                continue
+            if cap >= need and (fit is None or (cap, n.node_id) < fit[:2]):
+                fit = (cap, n.node_id, n)
+            if largest is None or (-cap, n.node_id) < (-largest[0], largest[1]):
+                largest = (cap, n.node_id, n)
+        choice = fit or largest
+        if choice is not None:
+            return choice[2], min(choice[0], need)
     return None
 
 
@@ -198,16 +200,20 @@ def _replicate(
     out: list[Directive] = []
     spans = sorted({(m, s) for m, held in holders.items() for s, _ in held})
     capacity = {(m, s): sum(t for s2, t in holders[m] if s2 == s) for m, s in spans}
+    cost = {(m, s): {q: len(s) * b for q, b in offers[m].layer_bytes.items()} for m, s in spans}
     for node in sorted(idle, key=lambda n: (-n.budget_bytes, n.node_id)):
+        room = free[node.node_id]
         fits = [
             (capacity[key], key)
             for key in spans
-            if len(key[1]) <= _capacity(node, offers[key[0]], free) and key not in node.failed
+            if cost[key].get(node.quant, room + 1) <= room
+            and (node.models is None or key[0] in node.models)
+            and key not in node.failed
         ]
         if not fits:
             continue
         weakest, (model, span) = min(fits)
-        free[node.node_id] -= len(span) * offers[model].layer_bytes[node.quant]
+        free[node.node_id] -= cost[(model, span)][node.quant]
         capacity[(model, span)] += node.throughput
         out.append(
             Directive(

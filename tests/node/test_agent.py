@@ -1,0 +1,90 @@
+"""The node agent against the real tracker app in-process: directives, loads, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from meshnet.config import TrackerConfig, WireConfig, WireLimits
+from meshnet.node.agent import NodeAgent, node_id
+from meshnet.node.app import NodeService
+from meshnet.node.runner import EchoRunner, ShardRunner
+from meshnet.tracker import messages as msg
+from meshnet.tracker.app import create_app
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.registry import Registry
+from meshnet.types import LayerSpan, ModelId
+from tests.conftest import run
+
+MB = 1 << 20
+
+
+def tracker() -> tuple[Registry, httpx.AsyncClient]:
+    offers = [ModelOffer(ModelId("m"), 8, {"fp32": 10 * MB})]
+    registry = Registry(offers, {ModelId("m"): "m-source"}, dead_after_s=60, clock=lambda: 0.0)
+    app = create_app(registry, TrackerConfig())
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return registry, client
+
+
+def agent(client: httpx.AsyncClient, name: str, budget_mb: int, fail: bool = False) -> NodeAgent:
+    def loader(model: str, source: str, span: LayerSpan) -> ShardRunner:
+        assert source == "m-source"
+        if fail:
+            raise RuntimeError("disk full")
+        return EchoRunner(ModelId(model), span)
+
+    request = msg.RegisterRequest(
+        node_id=name,
+        address=f"http://{name}:1",
+        budget_bytes=budget_mb * MB,
+        quant="fp32",
+        throughput=1.0,
+    )
+    return NodeAgent(NodeService([], WireLimits(), WireConfig()), client, request, loader)
+
+
+async def settle(*agents: NodeAgent, beats: int = 3) -> None:
+    for _ in range(beats):
+        for a in agents:
+            await a._beat()
+            await asyncio.gather(*a.loading.values())
+
+
+def test_agent_loads_what_it_is_told_and_reports_it() -> None:
+    async def scenario() -> None:
+        registry, client = tracker()
+        node = agent(client, "a", 100)
+        await settle(node)
+        assert sorted(node.service.runners) == [("m", LayerSpan(0, 8))]
+        assert registry.nodes["a"].loaded == {(ModelId("m"), LayerSpan(0, 8))}
+        registry.nodes.clear()  # the tracker restarts and forgets everyone
+        await settle(node, beats=1)
+        assert registry.nodes["a"].loaded == {(ModelId("m"), LayerSpan(0, 8))}
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_failed_load_is_reported_and_replanned_elsewhere() -> None:
+    async def scenario() -> None:
+        registry, client = tracker()
+        broken = agent(client, "a", 100, fail=True)
+        await settle(broken)
+        assert registry.nodes["a"].failed == {(ModelId("m"), LayerSpan(0, 8))}
+        healthy = agent(client, "b", 100)
+        await settle(healthy, broken)
+        assert sorted(healthy.service.runners) == [("m", LayerSpan(0, 8))]
+        assert not broken.service.runners
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_node_id_survives_a_restart(tmp_path: object) -> None:
+    from pathlib import Path
+
+    folder = Path(str(tmp_path)) / "data"
+    first = node_id(folder)
+    assert first == node_id(folder) and first.startswith("node-")
