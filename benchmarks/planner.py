@@ -25,10 +25,15 @@ from meshnet.types import ModelId, NodeId
 
 GB = 10**9
 # (name, layers, hidden, heads, kv heads, intermediate): public Llama-family shapes
-SHAPES = [("1b", 16, 2048, 32, 8, 8192), ("3b", 28, 3072, 24, 8, 8192),
-          ("8b", 32, 4096, 32, 8, 14336), ("14b", 48, 5120, 40, 8, 13824),
-          ("32b", 64, 5120, 40, 8, 27648), ("70b", 80, 8192, 64, 8, 28672),
-          ("405b", 126, 16384, 128, 8, 53248)]
+SHAPES = [
+    ("1b", 16, 2048, 32, 8, 8192),
+    ("3b", 28, 3072, 24, 8, 8192),
+    ("8b", 32, 4096, 32, 8, 14336),
+    ("14b", 48, 5120, 40, 8, 13824),
+    ("32b", 64, 5120, 40, 8, 27648),
+    ("70b", 80, 8192, 64, 8, 28672),
+    ("405b", 126, 16384, 128, 8, 53248),
+]
 
 
 def offers(count: int) -> list[ModelOffer]:
@@ -36,23 +41,38 @@ def offers(count: int) -> list[ModelOffer]:
     for i in range(count):
         name, layers, hidden, heads, kv, inter = SHAPES[i % len(SHAPES)]
         spec = ModelSpec("llama", layers, hidden, heads, kv, inter, 128256, False, 8192)
-        out.append(ModelOffer(ModelId(f"{name}-{i}"), layers,
-                              {q: layer_bytes(spec, q) for q in QUANTS}))
+        out.append(
+            ModelOffer(ModelId(f"{name}-{i}"), layers, {q: layer_bytes(spec, q) for q in QUANTS})
+        )
     return out
 
 
 def nodes(count: int, rng: random.Random) -> list[NodeView]:
-    return [NodeView(NodeId(f"n{i:05d}"), rng.choice([4, 8, 16, 24, 48, 80]) * GB,
-                     rng.choice(["nf4", "int8", "bf16"]), rng.uniform(0.5, 4.0))
-            for i in range(count)]
+    return [
+        NodeView(
+            NodeId(f"n{i:05d}"),
+            rng.choice([4, 8, 16, 24, 48, 80]) * GB,
+            rng.choice(["nf4", "int8", "bf16"]),
+            rng.uniform(0.5, 4.0),
+        )
+        for i in range(count)
+    ]
 
 
 def apply(views: list[NodeView], directives: list[Directive]) -> list[NodeView]:
     extra: dict[NodeId, list[Holding]] = {}
     for d in directives:
         extra.setdefault(d.node_id, []).append(Holding(d.model, d.span))
-    return [NodeView(v.node_id, v.budget_bytes, v.quant, v.throughput,
-                     v.holdings + tuple(extra.get(v.node_id, ()))) for v in views]
+    return [
+        NodeView(
+            v.node_id,
+            v.budget_bytes,
+            v.quant,
+            v.throughput,
+            v.holdings + tuple(extra.get(v.node_id, ())),
+        )
+        for v in views
+    ]
 
 
 def median_s(fn: Callable[[], object], repeat: int) -> float:
@@ -80,19 +100,28 @@ def main() -> None:
     rest = [v for v in state if v is not leaver]
     leave_s = median_s(lambda: plan(models, rest), repeat)
     by_model = {m.model: m for m in models}
-    used = sum(len(h.span) * by_model[h.model].layer_bytes[v.quant]
-               for v in state for h in v.holdings)
+    used = sum(
+        len(h.span) * by_model[h.model].layer_bytes[v.quant] for v in state for h in v.holdings
+    )
     hops = []
     for m in models:
-        servers = [Server(v.node_id, "", h.span, v.throughput, 0)
-                   for v in state for h in v.holdings if h.model == m.model]
+        servers = [
+            Server(v.node_id, "", h.span, v.throughput, 0)
+            for v in state
+            for h in v.holdings
+            if h.model == m.model
+        ]
         hops.append(len(choose_route(m.model, m.num_layers, servers, 0, random.Random(0))))
-    print(f"| nodes | models | full plan ms | join ms | leave ms | budget used | "
-          f"route hops (min / median / max) |")
+    print(
+        "| nodes | models | full plan ms | join ms | leave ms | budget used | "
+        "route hops (min / median / max) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|")
-    print(f"| {n_nodes:,} | {n_models} | {full_s * 1e3:.0f} | {join_s * 1e3:.0f} | "
-          f"{leave_s * 1e3:.0f} | {used / sum(v.budget_bytes for v in views):.1%} | "
-          f"{min(hops)} / {statistics.median(hops):g} / {max(hops)} |")
+    print(
+        f"| {n_nodes:,} | {n_models} | {full_s * 1e3:.0f} | {join_s * 1e3:.0f} | "
+        f"{leave_s * 1e3:.0f} | {used / sum(v.budget_bytes for v in views):.1%} | "
+        f"{min(hops)} / {statistics.median(hops):g} / {max(hops)} |"
+    )
 
 
 if __name__ == "__main__":
