@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from meshnet.models.sizing import QUANTS, layer_bytes
 from meshnet.models.spec import ModelSpec
-from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
+from meshnet.tracker.planner import ModelOffer, NodeView, plan, with_directives
 from meshnet.tracker.routing import Server, choose_route
 from meshnet.types import ModelId, NodeId
 
@@ -59,22 +59,6 @@ def nodes(count: int, rng: random.Random) -> list[NodeView]:
     ]
 
 
-def apply(views: list[NodeView], directives: list[Directive]) -> list[NodeView]:
-    extra: dict[NodeId, list[Holding]] = {}
-    for d in directives:
-        extra.setdefault(d.node_id, []).append(Holding(d.model, d.span))
-    return [
-        NodeView(
-            v.node_id,
-            v.budget_bytes,
-            v.quant,
-            v.throughput,
-            v.holdings + tuple(extra.get(v.node_id, ())),
-        )
-        for v in views
-    ]
-
-
 def median_s(fn: Callable[[], object], repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -93,7 +77,7 @@ def main() -> None:
     rng = random.Random(0)
     models, views = offers(n_models), nodes(n_nodes, rng)
     full_s = median_s(lambda: plan(models, views), repeat)
-    state = apply(views, plan(models, views))
+    state = with_directives(views, plan(models, views))
     newcomer = NodeView(NodeId("zz-new"), 24 * GB, "nf4", 1.0)
     join_s = median_s(lambda: plan(models, [*state, newcomer]), repeat)
     leaver = next(v for v in state if v.holdings)

@@ -23,14 +23,19 @@ def test_wire_imports_no_http_framework() -> None:
     assert not loaded & set(HTTP_FRAMEWORKS)
 
 
+def python_says(code: str) -> str:
+    """What a fresh interpreter prints after running `code`."""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def test_tracker_never_imports_torch() -> None:
     code = (
         "import sys; from meshnet.tracker.serve import build_registry; "
         "from meshnet.config import TrackerConfig; build_registry(TrackerConfig()); "
         "print(sorted(m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "[]"
+    assert python_says(code) == "[]"
 
 
 def test_sizing_from_a_config_needs_no_torch() -> None:
@@ -39,8 +44,7 @@ def test_sizing_from_a_config_needs_no_torch() -> None:
         "from meshnet.models.sizing import layer_bytes; "
         "layer_bytes(resolve('default').spec, 'nf4'); print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "False"
+    assert python_says(code) == "False"
 
 
 @pytest.mark.parametrize("module", ["meshnet.types", "meshnet.errors", "meshnet.config"])

@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, gaps, plan
+from meshnet.tracker.planner import (
+    Directive,
+    Holding,
+    ModelOffer,
+    NodeView,
+    gaps,
+    plan,
+    with_directives,
+)
 from meshnet.types import LayerSpan, ModelId, NodeId
 
 M = ModelId
@@ -113,22 +121,6 @@ def build(
     return offers, views
 
 
-def apply(nodes: list[NodeView], directives: list[Directive]) -> list[NodeView]:
-    extra: dict[str, list[Holding]] = {}
-    for d in directives:
-        extra.setdefault(d.node_id, []).append(Holding(d.model, d.span))
-    return [
-        NodeView(
-            n.node_id,
-            n.budget_bytes,
-            n.quant,
-            n.throughput,
-            n.holdings + tuple(extra.get(n.node_id, [])),
-        )
-        for n in nodes
-    ]
-
-
 def uncovered(offers: list[ModelOffer], nodes: list[NodeView]) -> list[LayerSpan]:
     return [
         g
@@ -157,7 +149,7 @@ def test_plans_respect_budgets_and_cover_when_budget_suffices(
 ) -> None:
     offers, views = build(models, nodes)
     directives = plan(offers, views)
-    after = apply(views, directives)
+    after = with_directives(views, directives)
     by_model = {o.model: o for o in offers}
     for n in after:  # never over-commit
         used = sum(len(h.span) * by_model[h.model].layer_bytes[n.quant] for h in n.holdings)
@@ -176,9 +168,9 @@ def test_replanning_after_a_node_leaves_restores_coverage(
     models: list[tuple[int, int]], nodes: list[tuple[int, str, float]], victim: int
 ) -> None:
     offers, views = build(models, nodes)
-    after = apply(views, plan(offers, views))
+    after = with_directives(views, plan(offers, views))
     survivors = [n for i, n in enumerate(after) if i != victim % len(after)]
-    replanned = apply(survivors, plan(offers, survivors))
+    replanned = with_directives(survivors, plan(offers, survivors))
     by_model = {o.model: o for o in offers}
     room = [
         NodeView(

@@ -9,7 +9,7 @@ serving capacity per layer is lowest. Budgets are never over-committed. Same inp
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshnet.types import LayerSpan, ModelId, NodeId
 
@@ -71,6 +71,15 @@ def plan(models: Sequence[ModelOffer], nodes: Sequence[NodeView]) -> list[Direct
         idle = [n for n in nodes if not n.holdings and n.node_id not in taken]
         directives += _replicate(offers, idle, free, holders)
     return directives
+
+
+def with_directives(nodes: Sequence[NodeView], directives: Iterable[Directive]) -> list[NodeView]:
+    """`nodes` as they will be once each LOAD_SHARD is loading (for simulations and tests)."""
+    extra: dict[NodeId, list[Holding]] = {}
+    for d in directives:
+        if d.op == "LOAD_SHARD":
+            extra.setdefault(d.node_id, []).append(Holding(d.model, d.span, loaded=False))
+    return [replace(n, holdings=n.holdings + tuple(extra.get(n.node_id, ()))) for n in nodes]
 
 
 def _used(node: NodeView, offers: Mapping[ModelId, ModelOffer]) -> int:
