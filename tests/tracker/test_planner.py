@@ -186,3 +186,16 @@ def test_replanning_after_a_node_leaves_restores_coverage(
     # room alone suffices.
     if not uncovered(offers, after) and enough(offers, room):
         assert not uncovered(offers, replanned)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.integers(1, 60),
+    spans=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 30)), max_size=12),
+)
+def test_gaps_match_a_layer_by_layer_count(layers: int, spans: list[tuple[int, int]]) -> None:
+    held = [(LayerSpan(start, start + length), 1.0) for start, length in spans]
+    covered = {i for span, _ in held for i in span}
+    expected = [i for i in range(layers) if i not in covered]
+    assert [i for g in gaps(layers, held) for i in g] == expected
+    assert all(g.end <= layers for g in gaps(layers, held))

@@ -103,19 +103,17 @@ def _holders(
 
 
 def gaps(num_layers: int, held: Iterable[tuple[LayerSpan, float]]) -> list[LayerSpan]:
-    """Maximal runs of layers that no holding covers."""
-    covered = [False] * num_layers
-    for span, _ in held:
-        for layer in range(span.start, min(span.end, num_layers)):
-            covered[layer] = True
-    runs, start = [], None
-    for layer, is_covered in enumerate([*covered, True]):
-        if not is_covered and start is None:
-            start = layer
-        elif is_covered and start is not None:
-            runs.append(LayerSpan(start, layer))
-            start = None
-    return runs
+    """Maximal runs of layers that no holding covers (a sweep over the distinct spans)."""
+    runs, reached = [], 0  # every layer below `reached` is covered
+    for start, end in sorted({(span.start, span.end) for span, _ in held}):
+        if start > reached:
+            runs.append(LayerSpan(reached, min(start, num_layers)))
+        reached = max(reached, end)
+        if reached >= num_layers:
+            break
+    if reached < num_layers:
+        runs.append(LayerSpan(reached, num_layers))
+    return [r for r in runs if r.start < num_layers]
 
 
 def _capacity(node: NodeView, offer: ModelOffer, free: Mapping[NodeId, int]) -> int:
@@ -210,7 +208,13 @@ def _replicate(
     spans = sorted({(m, s) for m, held in holders.items() for s, _ in held})
     capacity = {(m, s): sum(t for s2, t in holders[m] if s2 == s) for m, s in spans}
     cost = {(m, s): {q: len(s) * b for q, b in offers[m].layer_bytes.items()} for m, s in spans}
+    cheapest: dict[str, int] = {}  # quant -> smallest span cost: most idle nodes fail this test
+    for by_quant in cost.values():
+        for quant, size in by_quant.items():
+            cheapest[quant] = min(size, cheapest.get(quant, size))
     for node in sorted(idle, key=lambda n: (-n.budget_bytes, n.node_id)):
+        if free[node.node_id] < cheapest.get(node.quant, free[node.node_id] + 1):
+            continue
         room = free[node.node_id]
         fits = [
             (capacity[key], key)
