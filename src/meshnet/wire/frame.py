@@ -11,7 +11,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from meshnet.config import WireConfig, WireLimits
@@ -96,8 +95,5 @@ def decode(
 
 def payload_to_tensor(raw: bytes | bytearray, shape: tuple[int, int, int]) -> torch.Tensor:
     """Little-endian bf16 bytes -> a `shape` tensor that owns its memory (one copy at most)."""
-    if isinstance(raw, bytearray):  # already ours (decompressed): share it
-        return torch.frombuffer(raw, dtype=torch.bfloat16).view(shape)
-    tensor = torch.empty(shape, dtype=torch.bfloat16)
-    tensor.view(torch.uint8).numpy().reshape(-1)[:] = np.frombuffer(raw, dtype=np.uint8)
-    return tensor
+    owned = raw if isinstance(raw, bytearray) else bytearray(raw)  # torch needs a writable buffer
+    return torch.frombuffer(owned, dtype=torch.bfloat16).view(shape)
