@@ -199,3 +199,20 @@ def test_gaps_match_a_layer_by_layer_count(layers: int, spans: list[tuple[int, i
     expected = [i for i in range(layers) if i not in covered]
     assert [i for g in gaps(layers, held) for i in g] == expected
     assert all(g.end <= layers for g in gaps(layers, held))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.lists(st.integers(1, 50), min_size=1, max_size=4),
+    budgets=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+)
+def test_total_layer_capacity_that_suffices_always_covers(
+    layers: list[int], budgets: list[int]
+) -> None:
+    """Models with one layer size: whenever the nodes' whole-layer capacity adds up to every
+    layer of every model, every layer gets covered (no fragmentation is left unused)."""
+    offers = [offer(f"m{i}", n, 10) for i, n in enumerate(layers)]
+    views = [node(f"n{i:02d}", b) for i, b in enumerate(budgets)]
+    directives = plan(offers, views)
+    if sum(b // 10 for b in budgets) >= sum(layers):
+        assert not uncovered(offers, with_directives(views, directives))
