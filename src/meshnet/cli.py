@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from meshnet import __version__
-from meshnet.config import NodeConfig, TrackerConfig
+from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
+from meshnet.terminal import GenerateOptions, run_chat, run_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         "memory, or half the available RAM)",
     )
     node.add_argument("--data-dir", help="where the node keeps its id (default ~/.meshnet)")
-    tracker = sub.add_parser("tracker", help="run the control plane")
+    node.add_argument(
+        "--entry",
+        action="store_true",
+        help="also hold the head and serve the OpenAI-compatible API (needs --layers 0:K)",
+    )
+    tracker = sub.add_parser(
+        "tracker", help="run the control plane (with --layers or --budget: also an entry node)"
+    )
     tracker.add_argument(
         "--model",
         action="append",
@@ -61,7 +69,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=6.0,
         help="seconds without a heartbeat before a node counts as dead",
     )
+    tracker.add_argument(
+        "--layers", help="serve layers 'start:end' of the first model here (start must be 0)"
+    )
+    tracker.add_argument(
+        "--budget", type=parse_bytes, help="memory for its own span and head (picks K)"
+    )
+    tracker.add_argument("--quant", choices=["fp32", "bf16", "int8", "nf4"])
+    tracker.add_argument("--data-dir", help="where its node id is kept (default ~/.meshnet)")
+    for name, text in (("generate", "stream one answer to stdout"), ("chat", "chat in a loop")):
+        client = sub.add_parser(name, help=text)
+        add_client_flags(client)
+        if name == "generate":
+            client.add_argument("prompt", help="the prompt (a user message unless --raw)")
+            client.add_argument("--raw", action="store_true", help="complete the prompt as text")
     return parser
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tracker",
+        default="http://127.0.0.1:8000",
+        help="the tracker-as-entry-node (or an entry node) to ask (default %(default)s)",
+    )
+    parser.add_argument("--model", help="model id (default: the first one served)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--seed", type=int, help="reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
 
 
 _UNITS = {
@@ -101,6 +138,27 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         public_address=args.public_address,
         budget_bytes=args.budget,
         data_dir=args.data_dir,
+        entry=args.entry,
+    )
+
+
+def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
+    """The tracker's own entry-node part (host, port and model come from the tracker)."""
+    return NodeConfig(
+        layers=args.layers, quant=args.quant, budget_bytes=args.budget, data_dir=args.data_dir
+    )
+
+
+def generate_options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        raw=getattr(args, "raw", False),
     )
 
 
@@ -120,25 +178,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     if args.command is None:
         parser.print_help()
         return 0
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from meshnet.demo import run_demo
 
         return run_demo(max_tokens=args.max_tokens)
+    if args.command == "generate":
+        return run_generate(args.tracker, args.prompt, generate_options(args))
+    if args.command == "chat":
+        return run_chat(args.tracker, generate_options(args))
+    if args.command == "node" and args.entry:
+        from meshnet.node.entry import serve_entry
+
+        serve_entry(node_config(args), EntryConfig())
+        return 0
     if args.command == "node":
         from meshnet.node.serve import serve
 
         serve(node_config(args))
         return 0
-    if args.command == "tracker":
+    if args.layers is None and args.budget is None:
         from meshnet.tracker.serve import serve as serve_tracker
 
         serve_tracker(tracker_config(args))
         return 0
-    parser.error(f"unknown command {args.command}")  # pragma: no cover
-    return 2
+    from meshnet.node.entry import serve_tracker_node
+
+    serve_tracker_node(tracker_config(args), tracker_node_config(args), EntryConfig())
+    return 0
 
 
 if __name__ == "__main__":

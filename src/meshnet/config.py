@@ -43,6 +43,17 @@ class NodeConfig:
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
     kv_reserve_fraction: float = 0.1  # share of the budget kept for KV caches
     data_dir: str | None = None  # keeps the node id across restarts; None = ~/.meshnet/node-PORT
+    entry: bool = False  # also hold the head and serve the OpenAI-compatible API (needs layer 0)
+
+
+@dataclass(frozen=True)
+class EntryConfig:
+    """How an entry node drives requests through the mesh."""
+
+    hop_timeout_s: float = 60.0  # one frame through one hop, prefill chunks included
+    route_timeout_s: float = 10.0  # asking the tracker for a route
+    default_max_tokens: int = 256  # chat requests that give no max_tokens
+    seed: int | None = None  # seeds requests that give none; None = from the OS
 
 
 @dataclass(frozen=True)

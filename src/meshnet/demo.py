@@ -1,59 +1,188 @@
-"""`meshnet demo`: the README's first command.
+"""`meshnet demo`: the README's first command, a real mesh on this machine.
 
-Until the tracker and the entry node exist (later issues), the demo runs the smallest real
-thing that works: the default model split into three shards in this process, each boundary
-crossing the real wire format (encode, bytes, decode), answering one chat question.
+It starts a tracker that is also the entry node (layers 0:10, the head and the API) and two
+more nodes as separate processes on loopback, with budgets that hold ten fp32 layers each,
+so the tracker's planner must split the default model's 30 layers three ways. It shows the
+coverage filling in, sends one chat request through the HTTP API, prints the answer, the
+route and the speed, then stops every process it started, on Ctrl-C too.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from meshnet.config import WireConfig
-from meshnet.models.cache import new_cache
-from meshnet.models.loader import load_head, load_shard, load_tokenizer
+import httpx
+
+from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import resolve
-from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, decode, encode
+from meshnet.terminal import ApiError, events
 
 QUESTION = "What is the capital of France?"
+ENTRY_LAYERS = 10
+KV_RESERVE = 0.1  # NodeConfig.kv_reserve_fraction
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(name: str, args: list[str], workdir: Path) -> Child:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    print(f"started {name} (pid {process.pid})", flush=True)
+    return Child(name, process, log)
+
+
+def stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
+    """SIGTERM each child (nodes leave the tracker), then SIGKILL whatever is still alive."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+    print(f"stopped {len(children)} processes", flush=True)
+
+
+def launch(workdir: Path) -> tuple[str, list[Child]]:
+    """The tracker-as-entry-node and two nodes; the tracker's URL."""
+    spec = resolve("default").spec
+    budget = math.floor((ENTRY_LAYERS + 0.5) * layer_bytes(spec, "fp32") / (1 - KV_RESERVE))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    children = [
+        start(
+            "tracker",
+            ["tracker", "--port", str(port), "--layers", f"0:{ENTRY_LAYERS}", "--quant", "fp32"]
+            + ["--data-dir", str(workdir / "tracker")],
+            workdir,
+        )
+    ]
+    for name in ("node-a", "node-b"):
+        args = ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
+        args += ["--quant", "fp32", "--data-dir", str(workdir / name)]
+        children.append(start(name, args, workdir))
+    return url, children
+
+
+def wait_for_coverage(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
+    """Print coverage as it fills in; return once a full route exists."""
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.process.poll() is not None:
+                tail = child.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{child.name} exited early; its log ends:\n{tail}")
+        line, ready = coverage_line(url)
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if ready:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"coverage incomplete after {timeout_s:.0f} s")
+
+
+def coverage_line(url: str) -> tuple[str, bool]:
+    try:
+        body = httpx.get(f"{url}/v1/coverage", timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return "waiting for the tracker to load its layers and start...", False
+    model = body["models"][0]
+    bar = "".join(
+        "#" if layer["serving"] else ("+" if layer["loading"] else ".") for layer in model["layers"]
+    )
+    served = bar.count("#")
+    text = (
+        f"coverage [{bar}] {served}/{model['num_layers']} layers served "
+        f"({bar.count('+')} loading, {len(body['nodes'])} nodes)"
+    )
+    return text, bool(model["routable"])
+
+
+def ask(url: str, max_tokens: int) -> dict[str, Any]:
+    """Stream the answer to QUESTION to stdout; the final event (usage, route)."""
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    print(f"\nQ: {QUESTION}\nA: ", end="", flush=True)
+    final: dict[str, Any] = {}
+    started = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=300.0) as client:
+        for event in events(client, "/v1/chat/completions", body):
+            for choice in event["choices"]:
+                print(choice["delta"].get("content", ""), end="", flush=True)
+            final = event if "usage" in event else final
+    final["wall_s"] = time.perf_counter() - started
+    print()
+    return final
+
+
+def report(final: dict[str, Any]) -> None:
+    mesh = final["meshnet"]
+    print("route:")
+    for hop in mesh["route"]:
+        where = "the tracker's own process" if hop["address"] == "local" else hop["address"]
+        print(f"  layers {hop['span']:>6}  {hop['node_id']}  ({where})")
+    tokens = final["usage"]["completion_tokens"]
+    print(
+        f"{tokens} tokens; first token after {mesh['time_to_first_token_s']:.2f} s; "
+        f"decode {mesh['decode_tokens_per_s']:.1f} tokens/s; "
+        f"{tokens / final['wall_s']:.1f} tokens/s over the whole request"
+    )
 
 
 def run_demo(max_tokens: int = 32) -> int:
-    print("meshnet demo (in-process; the multi-process mesh arrives with the tracker issues)")
-    source = resolve("default")
-    tokenizer = load_tokenizer(source)
-    spans = LayerSpan(0, source.spec.num_layers).split(3)
-    shards = [load_shard(source, span) for span in spans]
-    head = load_head(source, shards[0].compute_dtype)
-    print(
-        f"model {source.path.name}: {source.spec.num_layers} layers as shards "
-        f"{', '.join(str(s) for s in spans)} ({shards[0].quant})"
-    )
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
-    caches, position, answer, sent = [new_cache() for _ in shards], 0, [], 0
-    start = time.perf_counter()
-    for _ in range(max_tokens):
-        hidden = head.embed_tokens(ids, position)
-        for shard, cache in zip(shards, caches, strict=True):
-            meta = FrameMeta(SessionId("demo"), ModelId("default"), shard.span, position)
-            frame = encode(hidden, meta, WireConfig())
-            sent += len(frame.body)
-            hidden = shard.forward(decode(frame.headers, bytes(frame.body))[1], cache, position)
-        position += ids.shape[1]
-        ids = head.logits(hidden)[:, -1:].argmax(-1)
-        if int(ids) == tokenizer.eos_token_id:
-            break
-        answer.append(int(ids))
-    seconds = time.perf_counter() - start
-    print(f"Q: {QUESTION}\nA: {tokenizer.decode(answer)}")
-    print(
-        f"{len(answer)} tokens in {seconds:.2f} s ({len(answer) / seconds:.1f} tokens/s), "
-        f"{sent} activation bytes over {len(spans)} boundaries"
-    )
-    return 0
+    print("meshnet demo: the default model split across 3 processes on this machine", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="meshnet-demo-"))
+    children: list[Child] = []
+    try:
+        url, children = launch(workdir)
+        print(f"tracker and API: {url} (coverage map: {url}/v1/coverage)", flush=True)
+        wait_for_coverage(url, children)
+        report(ask(url, max_tokens))
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the mesh", flush=True)
+        return 130
+    except (RuntimeError, ApiError, httpx.HTTPError, json.JSONDecodeError) as exc:
+        print(f"\ndemo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children)
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -8,11 +8,15 @@
     ├── ModelError                  a model or checkpoint cannot be read or does not match (400)
     ├── SessionError                a session's cache cannot take this call (409)
     │   └── SessionNotFoundError    the session is unknown, expired or evicted (409)
-    └── RouteError                  no chain of nodes can serve the request (503)
-        └── MissingLayersError      some layers of a model have no node (503)
+    ├── RouteError                  no chain of nodes can serve the request (503)
+    │   └── MissingLayersError      some layers of a model have no node (503)
+    ├── HopError                    a hop of a route failed or refused a frame (502)
+    └── RequestError                a client request the API cannot take (400)
+        └── UnknownModelError       the request names a model this entry does not serve (404)
 
-Apps turn a `MeshError` into a JSON body `{"error": {"type", "message", "field"}}` with
-`http_status`; that mapping lives here and nowhere else.
+Apps turn a `MeshError` into a JSON body with `http_status`; that mapping lives here and
+nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "param",
+"code"}}`, plus `field` (the same as `param`), so one shape serves every endpoint.
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ class MeshError(Exception):
     def to_json(self) -> dict[str, object]:
         """The JSON error body every app answers with."""
         return {
-            "error": {"type": type(self).__name__, "message": self.message, "field": self.field}
+            "error": {
+                "message": self.message,
+                "type": type(self).__name__,
+                "param": self.field,
+                "code": self.code,
+                "field": self.field,
+            }
         }
+
+    @property
+    def code(self) -> str | None:
+        """A short machine-readable code (OpenAI's `code`), when the class has one."""
+        return None
 
 
 class WireError(MeshError):
@@ -73,3 +88,29 @@ class MissingLayersError(RouteError):
     def __init__(self, message: str, *, missing: list[tuple[int, int]]) -> None:
         super().__init__(message)
         self.missing = missing  # uncovered half-open ranges
+
+
+class HopError(MeshError):
+    """A node on the route failed (unreachable, timed out) or refused a frame."""
+
+    http_status = 502
+
+    def __init__(self, message: str, *, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status  # the hop's HTTP status; None when it never answered
+
+
+class RequestError(MeshError):
+    http_status = 400
+
+    @property
+    def code(self) -> str | None:
+        return "invalid_request_error"
+
+
+class UnknownModelError(RequestError):
+    http_status = 404
+
+    @property
+    def code(self) -> str | None:
+        return "model_not_found"

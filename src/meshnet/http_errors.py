@@ -6,9 +6,11 @@ Imports Starlette only (no torch), so the tracker can use it too.
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi.exceptions import RequestValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +19,8 @@ from meshnet.errors import MeshError
 from meshnet.wire.headers import VERSION, WIRE_VERSION
 
 log = logging.getLogger(__name__)
+# pydantic names the member of a union in an error's location: `stop.list[str]`, `prompt.str`
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 
 def error_response(exc: MeshError) -> JSONResponse:
@@ -40,12 +44,16 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
         }
         for e in exc.errors()
     ]
-    first = details[0] if details else {"loc": [], "msg": "invalid request"}
-    field = ".".join(p for p in first["loc"] if p != "body") or None
+    # a union field fails once per member: prefer a real constraint over "wrong type"
+    ranked = sorted(details, key=lambda d: str(d["type"]).endswith("_type"))
+    first = ranked[0] if ranked else {"loc": [], "msg": "invalid request"}
+    field = ".".join(p for p in first["loc"] if p != "body" and not _TYPE_TAG.match(p)) or None
     body = {
         "error": {
-            "type": "ValidationError",
             "message": f"{field}: {first['msg']}",
+            "type": "ValidationError",
+            "param": field,
+            "code": None,
             "field": field,
             "details": details,
         }
@@ -53,10 +61,25 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=400)
 
 
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)  # unknown paths (404), wrong methods (405)
+    body = {
+        "error": {
+            "message": str(exc.detail),
+            "type": "HTTPError",
+            "param": None,
+            "code": None,
+            "field": None,
+        }
+    }
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
 def install_error_handlers(app: Starlette) -> None:
-    """Map `MeshError` and request validation failures to JSON 4xx/5xx answers."""
+    """Map `MeshError`, validation failures and HTTP errors to JSON 4xx/5xx answers."""
     app.add_exception_handler(MeshError, _mesh_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
 
 
 class WireVersionHeader:

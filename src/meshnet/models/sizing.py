@@ -30,3 +30,14 @@ def layer_bytes(spec: ModelSpec, quant: str, *, compute_bytes: int | None = None
     elif quant == "nf4":
         total += linear / NF4_BLOCK * 4
     return int(total)
+
+
+def head_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """Bytes of the entry node's head: embeddings, final norm, LM head (unless tied)."""
+    matrices = 1 if spec.tie_word_embeddings else 2
+    return (matrices * spec.vocab_size + 1) * spec.hidden_size * dtype_bytes
+
+
+def layers_that_fit(spec: ModelSpec, quant: str, budget_bytes: int) -> int:
+    """How many whole layers of `spec` at `quant` fit in `budget_bytes` (at most all of them)."""
+    return max(0, min(spec.num_layers, budget_bytes // layer_bytes(spec, quant)))

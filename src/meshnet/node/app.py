@@ -137,9 +137,14 @@ def create_app(
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
     app = Starlette(middleware=[Middleware(WireVersionHeader)], lifespan=lifespan)
-    app.state.service = service
     install_error_handlers(app)
-    app.add_route("/forward", service.forward, methods=["POST"])
-    app.add_route("/sessions/{session}", service.drop_session, methods=["DELETE"])
+    add_node_routes(app, service)
     app.add_route("/health", service.health, methods=["GET"])
     return app
+
+
+def add_node_routes(app: Starlette, service: NodeService) -> None:
+    """The activation plane's routes (`/forward`, `/sessions/{id}`) on any app."""
+    app.state.service = service
+    app.add_route("/forward", service.forward, methods=["POST"])
+    app.add_route("/sessions/{session}", service.drop_session, methods=["DELETE"])

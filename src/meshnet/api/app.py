@@ -1,0 +1,184 @@
+"""The OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Handlers parse a declared request, turn it into token ids and generation settings, and
+render the generator's events as one JSON answer or as server-sent events in OpenAI's chunk
+format. Errors that happen before the first token (bad input, no route, a failed hop) are
+HTTP errors in OpenAI's shape; an error after streaming began is sent as a final `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from meshnet import __version__
+from meshnet.api import schemas
+from meshnet.client.generation import Delta, Event, Finished, GenerationParams, Generator
+from meshnet.errors import MeshError, UnknownModelError
+from meshnet.http_errors import install_error_handlers
+
+log = logging.getLogger(__name__)
+Render = Callable[[str | None, Finished | None, bool], dict[str, Any]]  # (text, end, first)
+
+
+def create_app(generators: Mapping[str, Generator], default_max_tokens: int = 256) -> FastAPI:
+    """A FastAPI app serving only the API (entry nodes add their node routes to it)."""
+    app = FastAPI(title="meshnet API", version=__version__)
+    install_error_handlers(app)
+    app.include_router(api_router(generators, default_max_tokens))
+    return app
+
+
+def api_router(generators: Mapping[str, Generator], default_max_tokens: int = 256) -> APIRouter:
+    """The API over `generators` (model id -> generator)."""
+    router = APIRouter()
+
+    def generator_for(model: str) -> Generator:
+        found = generators.get(model)
+        if found is None:
+            raise UnknownModelError(
+                f"model {model!r} is not served here (served: {sorted(generators)})", field="model"
+            )
+        return found
+
+    @router.get("/v1/models")
+    def models() -> dict[str, object]:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "meshnet"} for m in generators
+        ]
+        return {"object": "list", "data": data}
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: schemas.ChatCompletionRequest) -> Response:
+        generator = generator_for(request.model)
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        prompt = generator.codec.chat(messages)
+        params = request.params(min(default_max_tokens, generator.max_context - len(prompt)))
+        render = _chat_renderer(request.model)
+        return await _respond(generator, prompt, params, request, render, "chat.completion")
+
+    @router.post("/v1/completions")
+    async def completions(request: schemas.CompletionRequest) -> Response:
+        generator = generator_for(request.model)
+        prompt = generator.codec.encode(request.text())
+        render = _text_renderer(request.model)
+        return await _respond(
+            generator, prompt, request.params(), request, render, "text_completion"
+        )
+
+    return router
+
+
+async def _respond(
+    generator: Generator,
+    prompt: list[int],
+    params: GenerationParams,
+    request: schemas.Sampling,
+    render: Render,
+    kind: str,
+) -> Response:
+    events = generator.stream(prompt, params)
+    try:
+        first = await anext(events)  # errors before the first token become HTTP errors
+    except BaseException:
+        await events.aclose()
+        raise
+    if request.stream:
+        sse = _sse(first, events, render, request.include_usage())
+        return StreamingResponse(sse, media_type="text/event-stream")
+    text, end = await _collect(first, events)
+    body = render(text, end, False) | {"object": kind}
+    choice = body["choices"][0]
+    if choice.pop("delta", None) is not None:
+        choice["message"] = {"role": "assistant", "content": text}
+    return JSONResponse(body)
+
+
+async def _collect(first: Event, events: AsyncGenerator[Event]) -> tuple[str, Finished]:
+    parts, event = [], first
+    try:
+        while isinstance(event, Delta):
+            parts.append(event.text)
+            event = await anext(events)
+    finally:
+        await events.aclose()
+    return "".join(parts), event
+
+
+async def _sse(
+    first: Event, events: AsyncGenerator[Event], render: Render, include_usage: bool
+) -> AsyncIterator[str]:
+    try:
+        yield _data(render("", None, True))
+        event = first
+        while isinstance(event, Delta):
+            yield _data(render(event.text, None, False))
+            event = await anext(events)
+        yield _data(render(None, event, False))
+        if include_usage:
+            usage = render(None, event, False)
+            yield _data({k: v for k, v in usage.items() if k != "meshnet"} | {"choices": []})
+    except MeshError as exc:
+        log.warning("stream ended by an error: %s", exc.message)
+        yield _data(exc.to_json())
+    finally:
+        await events.aclose()  # closes the session on every hop, also when the client left
+    yield "data: [DONE]\n\n"
+
+
+def _data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _chat_renderer(model: str) -> Render:
+    base = _base(model, "chatcmpl", "chat.completion.chunk")
+
+    def render(text: str | None, end: Finished | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        return _finish(base(), choice, end)
+
+    return render
+
+
+def _text_renderer(model: str) -> Render:
+    base = _base(model, "cmpl", "text_completion")
+
+    def render(text: str | None, end: Finished | None, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None}
+        return _finish(base(), choice | {"finish_reason": None}, end)
+
+    return render
+
+
+def _base(model: str, prefix: str, kind: str) -> Callable[[], dict[str, Any]]:
+    request_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    return lambda: {"id": request_id, "object": kind, "created": created, "model": model}
+
+
+def _finish(body: dict[str, Any], choice: dict[str, Any], end: Finished | None) -> dict[str, Any]:
+    body["choices"] = [choice]
+    if end is not None:
+        choice["finish_reason"] = end.reason
+        body["usage"] = {
+            "prompt_tokens": end.prompt_tokens,
+            "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+        }
+        body["meshnet"] = {
+            "route": [
+                {"node_id": h.node_id, "address": h.address, "span": str(h.span)} for h in end.route
+            ],
+            "time_to_first_token_s": round(end.first_token_s, 4),
+            "decode_tokens_per_s": round(end.decode_tokens_per_s, 2),
+        }
+    return body

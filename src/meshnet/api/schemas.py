@@ -1,0 +1,105 @@
+"""Request bodies of the OpenAI-compatible API, as declared pydantic models.
+
+Fields follow OpenAI's API reference; `top_k` is an extension. Fields meshnet does not
+implement are either refused with a clear 400 (`n` > 1, penalties, `logprobs`) or, when
+unknown, refused by `extra="forbid"`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from meshnet.client.generation import GenerationParams
+from meshnet.client.sampling import SamplingParams
+
+MAX_STOPS = 4
+MAX_TEXT_CHARS = 1_000_000
+
+
+class Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TextPart(Schema):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(max_length=MAX_TEXT_CHARS)
+    name: str | None = Field(default=None, max_length=64)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(Schema):
+    include_usage: bool = False
+
+
+class Sampling(Schema):
+    """Fields both endpoints share."""
+
+    model: str = Field(min_length=1, max_length=200)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: (
+        str
+        | Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=MAX_STOPS)]
+        | None
+    ) = Field(default=None, max_length=200)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = Field(default=None, max_length=256)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported; leave them out or send 0")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: Literal[False] = False
+
+    def params(self, default_max_tokens: int) -> GenerationParams:
+        limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return GenerationParams(limit, self.stops(), self.sampling())
+
+
+class CompletionRequest(Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+        max_length=MAX_TEXT_CHARS
+    )
+    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: None = None
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def params(self) -> GenerationParams:
+        return GenerationParams(self.max_tokens, self.stops(), self.sampling())

@@ -1,0 +1,1 @@
+"""The entry node's side of the activation plane: routes, hops, the pipeline, generation."""

@@ -1,0 +1,152 @@
+"""Generation at the entry node: a prompt's ids in, a stream of text deltas out.
+
+One `Generator` per served model. Each request opens its own pipeline session (so concurrent
+requests never share a cache), feeds the prompt as chunked prefill, then samples and feeds one
+token at a time until end-of-sequence, a stop sequence or `max_tokens`. The session is closed
+on every hop when the stream ends for any reason, the client going away included.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from meshnet.client.codec import TextCodec
+from meshnet.client.pipeline import Pipeline
+from meshnet.client.sampling import SamplingParams, make_generator, sample
+from meshnet.client.stops import scan
+from meshnet.client.transport import Hop
+from meshnet.errors import RequestError
+
+log = logging.getLogger(__name__)
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    route: list[Hop]  # the entry's own span, then the remote hops
+    first_token_s: float  # from the request to the first sampled token
+    decode_s: float  # from the first sampled token to the end
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+Event = Delta | Finished
+
+
+class Generator:
+    """Turns prompts into text through one model's pipeline."""
+
+    def __init__(
+        self, pipeline: Pipeline, codec: TextCodec, max_context: int, rng: random.Random
+    ) -> None:
+        self.pipeline = pipeline
+        self.codec = codec
+        self.max_context = max_context  # prompt + generated tokens, at most
+        self.rng = rng  # seeds requests that give none
+
+    @property
+    def model(self) -> str:
+        return self.pipeline.model
+
+    def check(self, prompt: list[int], params: GenerationParams) -> None:
+        """Refuse (400) what cannot fit before any work starts."""
+        if not prompt:
+            raise RequestError("the prompt is empty", field="prompt")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens",
+                field="max_tokens",
+            )
+
+    async def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
+        """Text deltas, then one `Finished`; the session is closed on every hop at the end."""
+        self.check(prompt, params)
+        started = time.perf_counter()
+        session = await self.pipeline.open()
+        route = ", ".join(str(h) for h in session.hops) or "no remote hops"
+        log.info("session %s: %d prompt tokens; route %s", session.id, len(prompt), route)
+        try:
+            logits = await self.pipeline.feed(session, prompt)
+            state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
+            while True:
+                token = sample(logits, params.sampling, state.generator)
+                state.first_s = state.first_s or time.perf_counter() - started
+                delta = state.accept(token, self.codec, params)
+                if delta:
+                    yield Delta(delta)
+                if state.reason is not None:
+                    break
+                logits = await self.pipeline.feed(session, [token])
+            yield Finished(
+                state.reason,
+                len(prompt),
+                len(state.generated),
+                [self.pipeline.entry_hop, *session.hops],
+                state.first_s,
+                time.perf_counter() - started - state.first_s,
+                state.generated,
+            )
+        finally:
+            await self.pipeline.close(session)
+            log.info("session %s closed", session.id)
+
+
+@dataclass
+class _Decoding:
+    """A request's decoding state: tokens so far, text emitted, and why it ended."""
+
+    generator: Any  # torch.Generator
+    generated: list[int] = field(default_factory=list)
+    emitted: int = 0  # characters of the decoded text already sent
+    reason: FinishReason | None = None
+    first_s: float = 0.0
+
+    def accept(self, token: int, codec: TextCodec, params: GenerationParams) -> str:
+        """Take one sampled token; the text that may be emitted now (may be empty)."""
+        if token in codec.eos_token_ids:
+            self.reason = "stop"
+            return self._flush(codec.decode(self.generated))
+        self.generated.append(token)
+        text = codec.decode(self.generated)
+        cut = scan(text, params.stop)
+        if cut.stopped:
+            self.reason = "stop"
+            return self._take(text, cut.safe_end)
+        if len(self.generated) >= params.max_tokens:
+            self.reason = "length"
+            return self._flush(text)
+        return self._take(text, cut.safe_end)
+
+    def _take(self, text: str, end: int) -> str:
+        delta = text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _flush(self, text: str) -> str:
+        """Everything not sent yet: text held back for a stop sequence that never came."""
+        return self._take(text, len(text))

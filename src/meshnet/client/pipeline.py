@@ -1,0 +1,118 @@
+"""The entry node's pipeline: token ids in, next-token logits out, through every hop.
+
+The entry node runs its own span (layers `[0, k)`) in this process, then sends the activations
+through the remote hops of the session's route in order. A prompt goes as chunks of at most
+`chunk_tokens` tokens (ADR-0008): each chunk passes every hop before the next chunk starts,
+and every hop appends it to the session's cache. The session remembers every token id it fed,
+so any hop's cache can be rebuilt by replaying them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol, TypeVar
+
+import torch
+
+from meshnet.client.routes import RouteSource
+from meshnet.client.transport import Hop, Transport
+from meshnet.config import WireConfig
+from meshnet.node.runner import ShardRunner
+from meshnet.types import ModelId, NodeId, SessionId
+from meshnet.wire import Chunk, FrameMeta, split_prefill
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+INLINE_MAX_TOKENS = 4  # decode steps run on the event loop; longer chunks on the worker thread
+
+
+class Executor(Protocol):
+    """Runs model work one call at a time (the node's `NodeService` is one)."""
+
+    async def call(self, inline: bool, fn: Callable[..., T], *args: object) -> T: ...
+
+
+class HeadLike(Protocol):
+    def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Token ids [1, T] at `position` -> hidden states [1, T, H]."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, T, H] -> float32 logits [1, T, V]."""
+        ...
+
+
+@dataclass
+class PipelineSession:
+    """One generation's state at the entry node."""
+
+    id: SessionId
+    hops: list[Hop]  # the remote hops after the entry's own span, in order
+    history: list[int] = field(default_factory=list)  # every token id fed, prompt first
+    position: int = 0  # tokens every hop's cache holds
+
+
+class Pipeline:
+    """Feeds token ids through the entry's span and a route of remote hops."""
+
+    def __init__(
+        self,
+        model: ModelId,
+        num_layers: int,
+        head: HeadLike,
+        local: ShardRunner,
+        executor: Executor,
+        routes: RouteSource,
+        transport: Transport,
+        wire: WireConfig = WireConfig(),
+        entry_id: str = "entry",
+    ) -> None:
+        if local.span.start != 0:
+            raise ValueError(f"an entry node serves layers from 0, not {local.span}")
+        self.model = model
+        self.num_layers = num_layers
+        self.head = head
+        self.local = local
+        self.executor = executor
+        self.routes = routes
+        self.transport = transport
+        self.wire = wire
+        self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
+
+    async def open(self) -> PipelineSession:
+        """A new session with a route for the layers after the entry's span."""
+        start = self.local.span.end
+        hops = await self.routes.route(self.model, start) if start < self.num_layers else []
+        return PipelineSession(SessionId(f"s-{uuid.uuid4().hex}"), hops)
+
+    async def feed(self, session: PipelineSession, ids: list[int]) -> torch.Tensor:
+        """Run `ids` after the session's tokens; float32 logits [V] for the next token."""
+        tokens = torch.tensor([ids], dtype=torch.long)
+        inline = len(ids) <= INLINE_MAX_TOKENS
+        hidden = await self.executor.call(inline, self.head.embed_tokens, tokens, session.position)
+        out = hidden
+        for chunk in split_prefill(hidden, session.position, self.wire.chunk_tokens):
+            out = await self._through(session, chunk)
+        session.position += len(ids)
+        session.history.extend(ids)
+        logits = await self.executor.call(True, self.head.logits, out[:, -1:])
+        return logits[0, -1]
+
+    async def _through(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
+        meta = FrameMeta(
+            session.id, self.model, self.local.span, chunk.position, chunk.index, chunk.total
+        )
+        inline = chunk.hidden.shape[1] <= INLINE_MAX_TOKENS
+        hidden = await self.executor.call(inline, self.local.forward, meta, chunk.hidden)
+        for hop in session.hops:
+            hidden = await self.transport.forward(hop, replace(meta, span=hop.span), hidden)
+        return hidden
+
+    async def close(self, session: PipelineSession) -> None:
+        """Drop the session's cache here and on every hop (errors are logged, not raised)."""
+        await self.executor.call(True, self.local.drop, session.id)
+        await asyncio.gather(*(self.transport.close_session(h, session.id) for h in session.hops))

@@ -1,0 +1,51 @@
+"""Choosing the next token from logits: a pure function of the logits, the settings and an RNG.
+
+All logit work is float32. Temperature 0 means greedy (argmax, no randomness used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; validated where requests are parsed (the API's schemas)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = all
+    seed: int | None = None  # reproducible sampling; None = fresh randomness per request
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from `logits` [V] (any float dtype)."""
+    scores = logits.float().reshape(-1)
+    if params.temperature <= 0.0:
+        return int(torch.argmax(scores))
+    scores = scores / params.temperature
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        scores = _top_p(scores, params.top_p)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask all but the most likely tokens whose cumulative probability first reaches top_p."""
+    ordered, order = torch.sort(scores, descending=True)
+    cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+    # drop a token when the tokens before it already reach top_p (the top token always stays)
+    drop = (cumulative - torch.softmax(ordered, dim=-1)) >= top_p
+    return scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+
+
+def make_generator(seed: int | None, fallback: int) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or with `fallback` (drawn by the caller) when None."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else fallback)
+    return generator

@@ -1,0 +1,228 @@
+"""Entry nodes: a node serving layers `[0, k)` that also holds the head and serves the API.
+
+Two ways to run one (ADR-0014):
+- `meshnet node --entry --layers 0:K --tracker URL`: asks the tracker for routes over HTTP;
+- `meshnet tracker --layers 0:K` (tracker-as-node): the tracker's own process holds the span,
+  registers it with its own registry in-process, and takes routes straight from the registry.
+Either way the entry's own span runs in-process; only the hops after it are HTTP calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from starlette.applications import Starlette
+
+from meshnet.api.app import api_router
+from meshnet.api.app import create_app as create_api_app
+from meshnet.client.codec import HfCodec
+from meshnet.client.generation import Generator
+from meshnet.client.pipeline import Pipeline
+from meshnet.client.routes import RegistryRoutes, RouteSource, TrackerRoutes
+from meshnet.client.transport import HttpTransport
+from meshnet.config import EntryConfig, NodeConfig, TrackerConfig, WireConfig, WireLimits
+from meshnet.errors import ModelError
+from meshnet.models import sizing
+from meshnet.models.loader import load_head, load_tokenizer
+from meshnet.models.quantize import default_quant
+from meshnet.models.source import resolve
+from meshnet.node.agent import NodeAgent
+from meshnet.node.app import NodeService, add_node_routes
+from meshnet.node.serve import load_runner, registration
+from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.tracker.app import create_app as create_tracker_app
+from meshnet.tracker.messages import RegisterRequest
+from meshnet.tracker.serve import build_registry, offer
+from meshnet.types import LayerSpan
+
+log = logging.getLogger(__name__)
+ClientFactory = Callable[[], httpx.AsyncClient]
+
+
+@dataclass
+class EntryModel:
+    """What an entry node holds for one model besides the routes."""
+
+    model_id: str
+    runner: TorchShardRunner  # layers [0, k)
+    head: object  # models.shard.Head
+    codec: HfCodec
+    num_layers: int
+    max_context: int
+
+
+def entry_span(config: NodeConfig) -> LayerSpan:
+    """`--layers` as given, or as many layers from 0 as the budget holds after the head."""
+    spec = resolve(config.model).spec
+    if config.layers is not None:
+        span = LayerSpan.parse(config.layers)
+        if span.start != 0:
+            raise ModelError(f"an entry node serves layers from 0; got {span}")
+        return span
+    if config.budget_bytes is None:
+        return LayerSpan(0, spec.num_layers)
+    quant = config.quant or default_quant()
+    usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
+    usable -= sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    count = sizing.layers_that_fit(spec, quant, usable)
+    if count < 1:
+        raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
+    return LayerSpan(0, count)
+
+
+def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
+    """The budget the entry registers for layers: `--budget` less the head, or just its span."""
+    spec = resolve(config.model).spec
+    quant = config.quant or default_quant()
+    if config.budget_bytes is not None:
+        return config.budget_bytes - sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    span_bytes = len(span) * sizing.layer_bytes(spec, quant)
+    return math.ceil(span_bytes / (1 - config.kv_reserve_fraction)) + 1
+
+
+def load_entry_model(config: NodeConfig, span: LayerSpan) -> EntryModel:
+    model_id = offer(config.model).model
+    runner = load_runner(config, model_id, config.model, span)
+    source = resolve(config.model)
+    head = load_head(source, runner.shard.compute_dtype)
+    codec = HfCodec(load_tokenizer(source))
+    log.info("entry for %s: layers %s and the head loaded", model_id, span)
+    spec = source.spec
+    return EntryModel(model_id, runner, head, codec, spec.num_layers, spec.max_positions)
+
+
+def make_generator(
+    model: EntryModel,
+    service: NodeService,
+    routes: RouteSource,
+    transport: HttpTransport,
+    entry: EntryConfig,
+    entry_id: str,
+) -> Generator:
+    pipeline = Pipeline(
+        model.runner.model,
+        model.num_layers,
+        model.head,  # type: ignore[arg-type]
+        model.runner,
+        service,
+        routes,
+        transport,
+        service.wire,
+        entry_id,
+    )
+    return Generator(pipeline, model.codec, model.max_context, random.Random(entry.seed))
+
+
+def agent_lifespan(
+    service: NodeService,
+    client: ClientFactory,
+    config: NodeConfig,
+    request: RegisterRequest,
+    on_stop: Callable[[], Awaitable[None]],
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """Keep the node registered while the app runs; leave the tracker when it stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with client() as http:
+            agent = NodeAgent(
+                service, http, request, lambda m, s, span: load_runner(config, m, s, span)
+            )
+            task = asyncio.create_task(agent.run())
+            try:
+                yield
+            finally:
+                task.cancel()
+                await agent.leave()
+                await on_stop()
+
+    return lifespan
+
+
+def build_entry_app(config: NodeConfig, entry: EntryConfig = EntryConfig()) -> FastAPI:
+    """`meshnet node --entry`: layers [0, k), the head and the API; routes from the tracker.
+
+    Without a tracker the node must hold every layer and serves alone.
+    """
+    span = entry_span(config)
+    model = load_entry_model(config, span)
+    wire = WireConfig()
+    service = NodeService([model.runner], WireLimits(), wire)
+    transport = HttpTransport(wire, timeout_s=entry.hop_timeout_s)
+    request = registration(replace(config, budget_bytes=entry_budget(config, span)))
+    if config.tracker_url is None:
+        if span.end < model.num_layers:
+            raise ModelError(f"without --tracker an entry node must serve all layers, not {span}")
+        routes: RouteSource = TrackerRoutes(httpx.AsyncClient())  # never asked: no hops
+    else:
+        tracker = httpx.AsyncClient(base_url=config.tracker_url, timeout=entry.route_timeout_s)
+        routes = TrackerRoutes(tracker)
+    generator = make_generator(model, service, routes, transport, entry, request.node_id)
+    app = create_api_app({model.model_id: generator}, entry.default_max_tokens)
+    add_node_routes(app, service)
+    app.add_route("/health", service.health, methods=["GET"])
+    if config.tracker_url is not None:
+        url = config.tracker_url
+        app.router.lifespan_context = agent_lifespan(
+            service,
+            lambda: httpx.AsyncClient(base_url=url, timeout=10.0),
+            config,
+            request,
+            transport.aclose,
+        )
+    return app
+
+
+def build_tracker_node_app(
+    tracker: TrackerConfig, node: NodeConfig, entry: EntryConfig = EntryConfig()
+) -> FastAPI:
+    """`meshnet tracker --layers 0:K`: the control plane plus an entry node, in one process."""
+    registry = build_registry(tracker)
+    app = create_tracker_app(registry, tracker)
+    node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port)
+    span = entry_span(node)
+    model = load_entry_model(node, span)
+    service = NodeService([model.runner], WireLimits(), WireConfig())
+    add_node_routes(app, service)  # other entry nodes may route through our span
+    transport = HttpTransport(service.wire, timeout_s=entry.hop_timeout_s)
+    routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
+    request = registration(replace(node, budget_bytes=entry_budget(node, span)))
+    generator = make_generator(model, service, routes, transport, entry, request.node_id)
+    app.include_router(api_router({model.model_id: generator}, entry.default_max_tokens))
+    own = agent_lifespan(  # registers with this very app, in-process
+        service,
+        lambda: httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://self"),
+        node,
+        request,
+        transport.aclose,
+    )
+    tracker_lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def both(application: Starlette) -> AsyncIterator[None]:
+        async with tracker_lifespan(application), own(application):
+            yield
+
+    app.router.lifespan_context = both
+    return app
+
+
+def serve_entry(config: NodeConfig, entry: EntryConfig) -> None:
+    app = build_entry_app(config, entry)
+    log.info("entry node listening on http://%s:%d (API under /v1)", config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+
+
+def serve_tracker_node(tracker: TrackerConfig, node: NodeConfig, entry: EntryConfig) -> None:
+    app = build_tracker_node_app(tracker, node, entry)
+    log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
+    uvicorn.run(app, host=tracker.host, port=tracker.port, log_level="warning")

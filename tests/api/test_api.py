@@ -1,0 +1,156 @@
+"""The OpenAI-compatible API over a fake mesh, in-process: shapes, streaming, errors.
+
+The official `openai` package is the client (over an ASGI transport); raw HTTP checks the
+server-sent event format and error bodies byte for byte where the client would hide them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+
+from meshnet.api.app import create_app
+from tests.client.fakes import fake_mesh
+from tests.conftest import run
+
+
+@pytest.fixture
+def app() -> Iterator[FastAPI]:
+    generator, _, runners = fake_mesh()
+    application = create_app({"fake": generator}, default_max_tokens=8)
+    application.state.runners = runners
+    yield application
+    assert all(r.session_count() == 0 for r in runners.values()), "a session was left open"
+
+
+def client(app: FastAPI) -> openai.AsyncOpenAI:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh")
+    return openai.AsyncOpenAI(api_key="unused", base_url="http://mesh/v1", http_client=http)
+
+
+def post(app: FastAPI, path: str, body: dict[str, object]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as http:
+            return await http.post(path, json=body)
+
+    return run(go())
+
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def test_models_lists_what_the_entry_serves(app: FastAPI) -> None:
+    models = run(client(app).models.list())
+    assert [m.id for m in models.data] == ["fake"]
+
+
+def test_chat_completion_with_the_openai_client(app: FastAPI) -> None:
+    answer = run(
+        client(app).chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=4
+        )
+    )
+    # the char codec's chat prompt ends "assistant: ", so the fake continues with "!", '"', ...
+    assert answer.choices[0].message.content == '!"#$'
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and answer.usage.completion_tokens == 4
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 4
+
+
+def test_chat_streaming_with_the_openai_client(app: FastAPI) -> None:
+    async def go() -> list[openai.types.chat.ChatCompletionChunk]:
+        stream = await client(app).chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=0,
+            max_tokens=5,
+            stop=["$"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = run(go())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == '!"#'
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "stop" and not any(finals[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 4  # "!", '"', "#", "$" (the stop)
+
+
+def test_completions_streaming_and_not(app: FastAPI) -> None:
+    answer = run(client(app).completions.create(model="fake", prompt="abc", temperature=0))
+    assert answer.choices[0].text == "defghijklmnopqrs"  # default max_tokens of completions is 16
+    assert answer.object == "text_completion"
+
+    async def go() -> str:
+        stream = await client(app).completions.create(
+            model="fake", prompt="abc", temperature=0, max_tokens=3, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    assert run(go()) == "def"
+
+
+def test_sse_wire_format(app: FastAPI) -> None:
+    response = post(app, "/v1/chat/completions", CHAT | {"stream": True, "max_tokens": 2})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in response.text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    bodies = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
+    assert len({b["id"] for b in bodies}) == 1
+    assert bodies[-1]["usage"]["completion_tokens"] == 2
+    assert [h["span"] for h in bodies[-1]["meshnet"]["route"]] == ["0:2", "2:4", "4:6"]
+
+
+def test_chat_answer_carries_the_route(app: FastAPI) -> None:
+    body = post(app, "/v1/chat/completions", CHAT | {"max_tokens": 2}).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": '!"'}
+    assert [h["node_id"] for h in body["meshnet"]["route"]] == ["entry", "node-a", "node-b"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", CHAT | {"model": "nope"}, 404, "model"),
+        ("/v1/chat/completions", CHAT | {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", CHAT | {"temperature": 9}, 400, "temperature"),
+        ("/v1/chat/completions", CHAT | {"n": 2}, 400, "n"),
+        ("/v1/chat/completions", CHAT | {"max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/chat/completions", CHAT | {"max_tokens": 10**6}, 400, "max_tokens"),
+        ("/v1/chat/completions", CHAT | {"presence_penalty": 1}, 400, "presence_penalty"),
+        ("/v1/chat/completions", CHAT | {"bogus": 1}, 400, "bogus"),
+        ("/v1/chat/completions", CHAT | {"stop": ["a"] * 5}, 400, "stop"),
+        ("/v1/completions", {"model": "fake", "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": "fake", "prompt": ["a", "b"]}, 400, "prompt"),
+    ],
+)
+def test_errors_in_openai_shape(
+    app: FastAPI, path: str, body: dict[str, object], status: int, param: str
+) -> None:
+    response = post(app, path, body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_openai_client_sees_errors_as_exceptions(app: FastAPI) -> None:
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        run(
+            client(app).chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "x"}]
+            )
+        )
+    with pytest.raises(openai.BadRequestError):
+        run(client(app).completions.create(model="fake", prompt="a", temperature=7))
