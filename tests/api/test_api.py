@@ -12,10 +12,15 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 from fastapi import FastAPI
 
 from meshnet.api.app import create_app
-from tests.client.fakes import fake_mesh
+from meshnet.errors import MissingLayersError, SessionError
+from meshnet.node.runner import EchoRunner
+from meshnet.types import LayerSpan
+from meshnet.wire import FrameMeta
+from tests.client.fakes import MODEL, fake_mesh
 from tests.conftest import run
 
 
@@ -42,6 +47,7 @@ def post(app: FastAPI, path: str, body: dict[str, object]) -> httpx.Response:
     return run(go())
 
 
+COMPLETION = {"model": "fake", "prompt": "abc", "temperature": 0, "max_tokens": 4}
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
 
@@ -154,3 +160,46 @@ def test_openai_client_sees_errors_as_exceptions(app: FastAPI) -> None:
         )
     with pytest.raises(openai.BadRequestError):
         run(client(app).completions.create(model="fake", prompt="a", temperature=7))
+
+
+class NoRoute:
+    async def route(self, model: str, start: int) -> list[object]:
+        raise MissingLayersError("no node serves layers 4:6 of fake", missing=[(4, 6)])
+
+
+class FailingRunner(EchoRunner):
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        if meta.position > 3:  # fail a few tokens into the answer
+            raise SessionError("cache lost", field="position")
+        return super().forward(meta, hidden)
+
+
+def test_missing_layers_is_503_naming_them() -> None:
+    generator, _, runners = fake_mesh()
+    generator.pipeline.routes = NoRoute()  # type: ignore[assignment]
+    response = post(create_app({"fake": generator}), "/v1/completions", COMPLETION)
+    assert response.status_code == 503
+    assert "4:6" in response.json()["error"]["message"]
+    assert all(r.session_count() == 0 for r in runners.values())
+
+
+def test_a_failing_hop_is_502_naming_it_and_leaves_no_session() -> None:
+    generator, transport, runners = fake_mesh()
+    transport.runners["b"] = FailingRunner(MODEL, LayerSpan(4, 6))  # type: ignore[index]
+    response = post(
+        create_app({"fake": generator}), "/v1/completions", COMPLETION | {"prompt": "abcde"}
+    )
+    assert response.status_code == 502
+    assert "node-b" in response.json()["error"]["message"]
+    assert all(r.session_count() == 0 for r in runners.values())
+
+
+def test_a_failing_hop_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    generator, transport, runners = fake_mesh()
+    transport.runners["b"] = FailingRunner(MODEL, LayerSpan(4, 6))  # type: ignore[index]
+    body = COMPLETION | {"prompt": "ab", "stream": True, "max_tokens": 10}
+    response = post(create_app({"fake": generator}), "/v1/completions", body)
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: ") :])["error"]["type"] == "HopError"
+    assert all(r.session_count() == 0 for r in runners.values())

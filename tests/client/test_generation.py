@@ -68,10 +68,16 @@ def test_seeded_sampling_is_reproducible() -> None:
 
 
 def test_long_prompt_goes_as_chunks_through_every_hop() -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16)
+    generator, transport, runners = fake_mesh(chunk_tokens=16)  # local span in one piece
     prompt = "abcdefghijklmnopqrstuvwxyz" * 3  # 78 tokens -> 5 chunks of 16
     text, end = run(collect(generator, prompt, GenerationParams(4, (), GREEDY)))
     assert text == "{|}~" and end.prompt_tokens == 78
+    prefill = [(address, tokens, index) for address, tokens, index, total in transport.frames[:10]]
+    sizes = [16, 16, 16, 16, 14]
+    # each chunk passes hop a, then hop b, before the next chunk starts
+    assert prefill == [(a, size, i) for i, size in enumerate(sizes) for a in ("a", "b")]
+    assert {total for *_, total in transport.frames[:10]} == {5}
+    assert [tokens for _, tokens, _, _ in transport.frames[10:]] == [1] * 6  # decode steps
 
 
 def test_sessions_are_closed_on_every_hop_when_generation_ends() -> None:

@@ -112,10 +112,12 @@ class InProcessTransport:
         self.runners = runners
         self.wire = wire
         self.closed: list[tuple[str, SessionId]] = []
+        self.frames: list[tuple[str, int, int, int]] = []  # (address, tokens, index, total)
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         frame = encode(hidden, meta, self.wire)
         meta, hidden = decode(frame.headers, bytes(frame.body))
+        self.frames.append((hop.address, hidden.shape[1], meta.chunk_index, meta.chunk_total))
         await asyncio.sleep(0)  # a network hop yields: concurrent sessions interleave here
         try:
             out = self.runners[hop.address].forward(meta, hidden)

@@ -1,0 +1,230 @@
+"""The whole system in real processes: tracker-as-entry-node + two nodes, the default model.
+
+Greedy output through the mesh (3 hops, bf16 activations on the wire, fp32 weights) must
+equal monolithic transformers `generate` at fp32, through raw HTTP and the `openai` client,
+streaming and not, with a prompt long enough for chunked prefill.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from meshnet.models.loader import load_tokenizer
+from meshnet.models.source import ModelSource
+from meshnet.terminal import GenerateOptions, run_chat
+from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+
+pytestmark = pytest.mark.slow
+BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
+NEW_TOKENS = 64
+STORY = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("entry-mesh")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [
+        start(
+            ["tracker", "--port", str(port), "--layers", "0:10", "--quant", "fp32"]
+            + ["--data-dir", str(logs / "tracker")],
+            logs / "tracker.log",
+        )
+    ]
+    nodes = []
+    for name in ("a", "b"):
+        node_port = free_port()
+        nodes.append(f"http://127.0.0.1:{node_port}")
+        args = ["node", "--tracker", url, "--port", str(node_port), "--budget", BUDGET]
+        args += ["--quant", "fp32", "--data-dir", str(logs / name)]
+        procs.append(start(args, logs / f"{name}.log"))
+    entry_port = free_port()  # a second entry point: any node serving layer 0 can be one
+    entry = f"http://127.0.0.1:{entry_port}"
+    args = ["node", "--entry", "--tracker", url, "--port", str(entry_port), "--layers", "0:10"]
+    procs.append(
+        start(args + ["--quant", "fp32", "--data-dir", str(logs / "entry")], logs / "e.log")
+    )
+    try:
+        wait_for(
+            lambda: get_json(f"{url}/v1/coverage")["models"][0]["routable"], 240, "full coverage"
+        )
+        wait_for(lambda: len(get_json(f"{url}/v1/coverage")["nodes"]) == 4, 240, "the entry node")
+        yield {"url": url, "nodes": nodes, "entry": entry, "logs": logs}
+    finally:
+        for process in procs:
+            stop(process)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_source: ModelSource) -> Any:
+    return load_tokenizer(default_source)
+
+
+def reference(model: Any, tokenizer: Any, ids: list[int]) -> str:
+    """Monolithic transformers greedy `generate` at fp32: the text of the new tokens."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def chat_ids(tokenizer: Any, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return [int(i) for i in encoded["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer: Any, english_ids: torch.Tensor) -> str:
+    return str(tokenizer.decode(english_ids[0, :330]))
+
+
+def test_greedy_chat_equals_monolithic_generate(
+    mesh: dict[str, Any], smollm_reference: Any, tokenizer: Any
+) -> None:
+    expected = reference(smollm_reference, tokenizer, chat_ids(tokenizer, STORY))
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": STORY}],
+        "temperature": 0,
+        "max_tokens": NEW_TOKENS,
+    }
+    answer = httpx.post(f"{mesh['url']}/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["choices"][0]["message"]["content"] == expected
+    assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+    assert [h["span"] for h in answer["meshnet"]["route"]] == ["0:10", "10:20", "20:30"]
+
+
+def test_long_prompt_with_the_openai_client_streaming_and_not(
+    mesh: dict[str, Any], smollm_reference: Any, tokenizer: Any, long_prompt: str
+) -> None:
+    ids = tokenizer.encode(long_prompt, add_special_tokens=False)
+    assert len(ids) > 300  # three 128-token prefill chunks
+    expected = reference(smollm_reference, tokenizer, ids)
+    client = openai.OpenAI(base_url=f"{mesh['url']}/v1", api_key="unused", timeout=120)
+    plain = client.completions.create(
+        model="default", prompt=long_prompt, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert plain.choices[0].text == expected
+    assert plain.usage is not None and plain.usage.prompt_tokens == len(ids)
+    stream = client.completions.create(
+        model="default", prompt=long_prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+
+
+def test_openai_chat_streaming_answers_paris(mesh: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=f"{mesh['url']}/v1", api_key="unused", timeout=120)
+    assert [m.id for m in client.models.list().data] == ["default"]
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "The capital of France is Paris."
+
+
+def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: dict[str, Any]) -> None:
+    questions = ["What is 2 + 2?", "Name a colour.", "What is the capital of Italy?"]
+
+    def ask(question: str) -> str:
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
+        answer = httpx.post(f"{mesh['url']}/v1/chat/completions", json=body, timeout=120)
+        return str(answer.json()["choices"][0]["message"]["content"])
+
+    one_by_one = [ask(q) for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        assert list(pool.map(ask, questions)) == one_by_one
+    for node in mesh["nodes"]:  # every session was closed on every hop
+        assert get_json(f"{node}/health")["sessions"] == 0
+
+
+def test_generate_command_streams_to_stdout(mesh: dict[str, Any]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh["url"]]
+        + ["--temperature", "0", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "The capital of France is Paris."
+
+
+def test_bad_requests_get_openai_errors_and_change_nothing(mesh: dict[str, Any]) -> None:
+    url = mesh["url"]
+    refused = httpx.post(f"{url}/v1/chat/completions", json={"model": "default"}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    unknown = httpx.post(
+        f"{url}/v1/completions", json={"model": "gpt-9", "prompt": "hi"}, timeout=10
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    test_openai_chat_streaming_answers_paris(mesh)
+
+
+def test_chat_loop_keeps_the_conversation(mesh: dict[str, Any]) -> None:
+    lines = iter(["What is the capital of France?", "And of Germany?", ""])
+    out = io.StringIO()
+    options = GenerateOptions(temperature=0, max_tokens=24)
+    assert run_chat(mesh["url"], options, ask=lambda _: next(lines), out=out) == 0
+    transcript = out.getvalue()
+    assert "The capital of France is Paris." in transcript
+    assert "Berlin" in transcript  # the second turn saw the first
+
+
+def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: dict[str, Any]) -> None:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+    }
+    answer = httpx.post(f"{mesh['entry']}/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    route = answer["meshnet"]["route"]
+    assert [h["span"] for h in route] == ["0:10", "10:20", "20:30"]
+    assert route[0]["address"] == "local"  # its own span, in its own process
+
+
+def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: dict[str, Any]) -> None:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": STORY}],
+        "temperature": 0,
+        "max_tokens": 500,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{mesh['url']}/v1/chat/completions", json=body, timeout=60) as r:
+        for count, _ in enumerate(r.iter_lines()):
+            if count == 10:
+                assert get_json(f"{mesh['nodes'][0]}/health")["sessions"] == 1
+                break  # leaving the block closes the connection mid-answer
+    wait_for(
+        lambda: all(get_json(f"{n}/health")["sessions"] == 0 for n in mesh["nodes"]),
+        10,
+        "every hop to drop the session",
+    )
