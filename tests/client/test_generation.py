@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 
 from meshnet.client.generation import Delta, Event, Finished, GenerationParams
@@ -125,3 +126,25 @@ def test_requests_that_cannot_fit_are_refused_before_any_work(
         run(collect(generator, prompt, params))
     assert refused.value.field == field
     assert all(r.session_count() == 0 for r in runners.values()) and not transport.closed
+
+
+def test_sessions_are_closed_when_the_request_task_is_cancelled() -> None:
+    """What Starlette does when a streaming client disconnects: cancel the task's scope."""
+    generator, _, runners = fake_mesh()
+
+    async def go() -> None:
+        started = anyio.Event()
+
+        async def consume() -> None:
+            async for _ in generator.stream([97], GenerationParams(25, (), GREEDY)):
+                started.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(consume)
+            await started.wait()
+            assert runners["a"].session_count() == 1
+            group.cancel_scope.cancel()
+        await asyncio.sleep(0.05)  # the shielded clean-up finishes
+
+    run(go())
+    assert all(r.session_count() == 0 for r in runners.values())

@@ -8,6 +8,7 @@ on every hop when the stream ends for any reason, the client going away included
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -112,7 +113,9 @@ class Generator:
                 state.generated,
             )
         finally:
-            await self.pipeline.close(session)
+            # Shielded: a client that went away cancels this task, and Starlette's (anyio's)
+            # cancellation would otherwise hit every await of the clean-up too.
+            await asyncio.shield(self.pipeline.close(session))
             log.info("session %s closed", session.id)
 
 
