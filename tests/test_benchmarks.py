@@ -56,3 +56,11 @@ def test_quality_benchmark_prints_perplexities() -> None:
 @pytest.mark.parametrize("name", sorted(p.name for p in BENCHMARKS.glob("*.py")))
 def test_every_benchmark_has_a_tiny_mode(name: str) -> None:
     assert "--tiny" in (BENCHMARKS / name).read_text()
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_prints_ratios() -> None:
+    rows = [
+        line for line in run_tiny("pipeline.py", 400).splitlines() if line.startswith("| 1 hop")
+    ]
+    assert len(rows) == 1 and float(rows[0].split("|")[3]) > 0  # the decode ratio

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from meshnet import __version__
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
+from meshnet.errors import MeshError
 from meshnet.terminal import GenerateOptions, run_chat, run_generate
 
 
@@ -182,7 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return run_command(args)
+    try:
+        return run_command(args)
+    except MeshError as exc:  # a refused configuration: say why, without a traceback
+        print(f"meshnet {args.command}: {exc.message}", file=sys.stderr)
+        return 2
 
 
 def run_command(args: argparse.Namespace) -> int:

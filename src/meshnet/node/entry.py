@@ -83,10 +83,17 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     """The budget the entry registers for layers: `--budget` less the head, or just its span."""
     spec = resolve(config.model).spec
     quant = config.quant or default_quant()
-    if config.budget_bytes is not None:
-        return config.budget_bytes - sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
     span_bytes = len(span) * sizing.layer_bytes(spec, quant)
-    return math.ceil(span_bytes / (1 - config.kv_reserve_fraction)) + 1
+    needed = math.ceil(span_bytes / (1 - config.kv_reserve_fraction)) + 1
+    if config.budget_bytes is None:
+        return needed
+    head = sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    if config.budget_bytes - head < needed:
+        raise ModelError(
+            f"a budget of {config.budget_bytes} bytes cannot hold the head ({head} bytes) and "
+            f"layers {span} ({needed} bytes with the KV reserve)"
+        )
+    return config.budget_bytes - head
 
 
 def load_entry_model(config: NodeConfig, span: LayerSpan) -> EntryModel:
