@@ -47,6 +47,19 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class RetryPolicy:
+    """How an entry node retries after a hop fails: capped exponential backoff, bounded count."""
+
+    max_attempts: int = 5  # replacement routes tried per failure before the request fails
+    base_s: float = 0.1  # the first wait; doubled each attempt
+    cap_s: float = 2.0  # no wait is longer than this
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt `attempt` (0-based)."""
+        return float(min(self.cap_s, self.base_s * 2**attempt))
+
+
+@dataclass(frozen=True)
 class EntryConfig:
     """How an entry node drives requests through the mesh."""
 
@@ -54,6 +67,7 @@ class EntryConfig:
     route_timeout_s: float = 10.0  # asking the tracker for a route
     default_max_tokens: int = 256  # chat requests that give no max_tokens
     seed: int | None = None  # seeds requests that give none; None = from the OS
+    retry: RetryPolicy = RetryPolicy()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MeshError(Exception):
     """Base class: a problem meshnet reports to its caller in words."""
@@ -95,9 +97,15 @@ class HopError(MeshError):
 
     http_status = 502
 
-    def __init__(self, message: str, *, status: int | None) -> None:
+    def __init__(self, message: str, *, status: int | None, hop: Any = None) -> None:
         super().__init__(message)
         self.status = status  # the hop's HTTP status; None when it never answered
+        self.hop = hop  # the `client.transport.Hop` that failed, when known
+
+    @property
+    def retryable(self) -> bool:
+        """A failure of the hop (gone, timed out, 5xx, its cache lost), not of our frame."""
+        return self.status is None or self.status >= 500 or self.status == 409
 
 
 class RequestError(MeshError):

@@ -183,14 +183,14 @@ def test_missing_layers_is_503_naming_them() -> None:
     assert all(r.session_count() == 0 for r in runners.values())
 
 
-def test_a_failing_hop_is_502_naming_it_and_leaves_no_session() -> None:
+def test_a_failing_hop_without_replacement_is_503_naming_the_layers() -> None:
     generator, transport, runners = fake_mesh()
     transport.runners["b"] = FailingRunner(MODEL, LayerSpan(4, 6))  # type: ignore[index]
     response = post(
         create_app({"fake": generator}), "/v1/completions", COMPLETION | {"prompt": "abcde"}
     )
-    assert response.status_code == 502
-    assert "node-b" in response.json()["error"]["message"]
+    assert response.status_code == 503
+    assert "4:6" in response.json()["error"]["message"]
     assert all(r.session_count() == 0 for r in runners.values())
 
 
@@ -201,5 +201,5 @@ def test_a_failing_hop_mid_stream_ends_the_stream_with_an_error_event() -> None:
     response = post(create_app({"fake": generator}), "/v1/completions", body)
     events = [e for e in response.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][len("data: ") :])["error"]["type"] == "HopError"
+    assert json.loads(events[-2][len("data: ") :])["error"]["type"] == "MissingLayersError"
     assert all(r.session_count() == 0 for r in runners.values())

@@ -17,7 +17,7 @@ from meshnet.client.generation import Generator
 from meshnet.client.pipeline import Pipeline
 from meshnet.client.routes import StaticRoutes
 from meshnet.client.transport import Hop, InProcessTransport
-from meshnet.config import WireConfig, WireLimits
+from meshnet.config import RetryPolicy, WireConfig, WireLimits
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
 from meshnet.types import LayerSpan, ModelId, NodeId
@@ -46,20 +46,32 @@ class CountingHead:
 
 
 def fake_mesh(
-    margin: float = 20.0, chunk_tokens: int = 128
+    margin: float = 20.0, chunk_tokens: int = 128, replicas: bool = False
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
-    """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process)."""
+    """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
+
+    With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover.
+    """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
-    runners = {"a": EchoRunner(MODEL, LayerSpan(2, 4)), "b": EchoRunner(MODEL, LayerSpan(4, 6))}
-    hops = [
-        Hop(NodeId("node-a"), "a", LayerSpan(2, 4)),
-        Hop(NodeId("node-b"), "b", LayerSpan(4, 6)),
-    ]
+    spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
+    if replicas:
+        spans |= {"a2": LayerSpan(2, 4), "b2": LayerSpan(4, 6)}
+    runners = {name: EchoRunner(MODEL, span) for name, span in spans.items()}
+    hops = [Hop(NodeId(f"node-{name}"), name, span) for name, span in spans.items()]
     wire = WireConfig(chunk_tokens=chunk_tokens)
     transport = InProcessTransport(runners, wire)
     service = NodeService([local], WireLimits(), wire)
+    retry = RetryPolicy(max_attempts=3, base_s=0.001, cap_s=0.002)
     pipeline = Pipeline(
-        MODEL, 6, CountingHead(margin), local, service, StaticRoutes(hops), transport, wire
+        MODEL,
+        6,
+        CountingHead(margin),
+        local,
+        service,
+        StaticRoutes(hops),
+        transport,
+        wire,
+        retry=retry,
     )
     runners["local"] = local
     return Generator(pipeline, CharCodec(), 4096, random.Random(0)), transport, runners

@@ -193,3 +193,35 @@ def test_openapi_is_served(mesh: tuple[TestClient, Clock]) -> None:
     client, _ = mesh
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/nodes/register", "/v1/nodes/heartbeat", "/v1/coverage", "/v1/route"} <= set(paths)
+
+
+def test_replacement_routes_for_one_span_excluding_banned_and_reported_nodes(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    client, _ = mesh
+    spans = {"a": (0, 15), "b": (15, 30), "c": (15, 30), "d": (15, 30)}
+    for node, (start, end) in spans.items():
+        shard = {"model": "m", "span": {"start": start, "end": end}}
+        register(client, node, 200, loaded=[shard])
+
+    def replacement(**params: Any) -> list[str]:
+        query = {"model": "m", "start": 15, "end": 30, **params}
+        response = client.get("/v1/route", params=query)
+        return [h["node_id"] for h in response.json()["hops"]] if response.is_success else []
+
+    assert replacement() in (["b"], ["c"], ["d"])
+    assert replacement(exclude="b,c") == ["d"]
+    assert client.post("/v1/nodes/report", json={"node_id": "d", "reason": "reset"}).json() == {
+        "reported": True
+    }
+    assert replacement(exclude="b,c") == []  # d is out of routes until it heartbeats
+    missing = client.get(
+        "/v1/route", params={"model": "m", "start": 15, "end": 30, "exclude": "b,c"}
+    )
+    assert missing.status_code == 503 and "15:30" in missing.json()["error"]["message"]
+    beat(client, "d", [{"model": "m", "span": {"start": 15, "end": 30}}])
+    assert replacement(exclude="b,c") == ["d"]
+    bad = client.get("/v1/route", params={"model": "m", "start": 20, "end": 10})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "start"
+    unknown = client.get("/v1/route", params={"model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"

@@ -48,6 +48,7 @@ class Finished:
     first_token_s: float  # from the request to the first sampled token
     decode_s: float  # from the first sampled token to the end
     token_ids: list[int] = field(default_factory=list)
+    failover_pauses_s: list[float] = field(default_factory=list)  # one per replaced hop
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -111,6 +112,7 @@ class Generator:
                 state.first_s,
                 time.perf_counter() - started - state.first_s,
                 state.generated,
+                session.failover_pauses_s,
             )
         finally:
             # Shielded: a client that went away cancels this task, and Starlette's (anyio's)

@@ -18,9 +18,11 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from meshnet.client.failover import failover
 from meshnet.client.routes import RouteSource
 from meshnet.client.transport import Hop, Transport
-from meshnet.config import WireConfig
+from meshnet.config import RetryPolicy, WireConfig
+from meshnet.errors import HopError
 from meshnet.node.runner import ShardRunner
 from meshnet.types import ModelId, NodeId, SessionId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
@@ -54,6 +56,14 @@ class PipelineSession:
     hops: list[Hop]  # the remote hops after the entry's own span, in order
     history: list[int] = field(default_factory=list)  # every token id fed, prompt first
     position: int = 0  # tokens every hop's cache holds
+    # what each hop was sent, bf16 [1, T, H] pieces in order: replayed into a replacement hop
+    inputs: list[list[torch.Tensor]] = field(default_factory=list)
+    banned: set[NodeId] = field(default_factory=set)  # hops that failed this session
+    fresh: set[Hop] = field(default_factory=set)  # replacements joined mid-prefill
+    failover_pauses_s: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.inputs = self.inputs or [[] for _ in self.hops]
 
 
 class Pipeline:
@@ -70,6 +80,7 @@ class Pipeline:
         transport: Transport,
         wire: WireConfig = WireConfig(),
         entry_id: str = "entry",
+        retry: RetryPolicy = RetryPolicy(),
         local_chunk_tokens: int = 2048,
     ) -> None:
         if local.span.start != 0:
@@ -83,6 +94,7 @@ class Pipeline:
         self.transport = transport
         self.wire = wire
         self.local_chunk_tokens = local_chunk_tokens
+        self.retry = retry
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
 
     async def open(self) -> PipelineSession:
@@ -102,6 +114,7 @@ class Pipeline:
             out = await self._remote(session, chunk)
         session.position += len(ids)
         session.history.extend(ids)
+        session.fresh.clear()  # replacements take part in the next chunk sequence from its start
         logits = await self.executor.call(True, self.head.logits, out[:, -1:])
         return logits[0, -1]
 
@@ -122,13 +135,24 @@ class Pipeline:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     async def _remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
-        """One chunk through every remote hop in order; the last hop's output."""
-        hidden = chunk.hidden
-        for hop in session.hops:
-            meta = FrameMeta(
-                session.id, self.model, hop.span, chunk.position, chunk.index, chunk.total
-            )
-            hidden = await self.transport.forward(hop, meta, hidden)
+        """One chunk through every remote hop in order; the last hop's output.
+
+        A hop that fails is replaced (`failover`) and the same chunk goes to its replacement.
+        """
+        hidden, k = chunk.hidden, 0
+        while k < len(session.hops):
+            hop = session.hops[k]
+            index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
+            meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
+            try:
+                out = await self.transport.forward(hop, meta, hidden)
+            except HopError as exc:
+                if not exc.retryable:
+                    raise
+                await failover(self, session, k, exc)
+                continue
+            session.inputs[k].append(hidden)
+            hidden, k = out, k + 1
         return hidden
 
     async def close(self, session: PipelineSession) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from typing import Protocol
@@ -19,10 +20,23 @@ from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId, NodeId
 
+log = logging.getLogger(__name__)
+
 
 class RouteSource(Protocol):
-    async def route(self, model: ModelId, start: int) -> list[Hop]:
-        """Hops covering layers `[start, num_layers)` of `model`; raises `RouteError`."""
+    async def route(
+        self,
+        model: ModelId,
+        start: int,
+        end: int | None = None,
+        exclude: frozenset[NodeId] = frozenset(),
+    ) -> list[Hop]:
+        """Hops covering layers `[start, end)` of `model` (default: to the last layer) on nodes
+        not in `exclude`; raises `RouteError` (`MissingLayersError` naming uncovered layers)."""
+        ...
+
+    async def report(self, node: NodeId, reason: str) -> None:
+        """Tell the tracker `node` failed a call (never raises)."""
         ...
 
 
@@ -36,14 +50,32 @@ class TrackerRoutes:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client  # base_url = the tracker
 
-    async def route(self, model: ModelId, start: int) -> list[Hop]:
+    async def route(
+        self,
+        model: ModelId,
+        start: int,
+        end: int | None = None,
+        exclude: frozenset[NodeId] = frozenset(),
+    ) -> list[Hop]:
+        params: dict[str, str | int] = {"model": model, "start": start}
+        if end is not None:
+            params["end"] = end
+        if exclude:
+            params["exclude"] = ",".join(sorted(exclude))
         try:
-            response = await self.client.get("/v1/route", params={"model": model, "start": start})
+            response = await self.client.get("/v1/route", params=params)
         except httpx.HTTPError as exc:
             raise RouteError(f"the tracker is unreachable: {exc!r}") from exc
         if response.status_code != 200:
             raise _route_error(response)
         return hops_of(msg.RouteResponse.model_validate(response.json()))
+
+    async def report(self, node: NodeId, reason: str) -> None:
+        body = {"node_id": node, "reason": reason[:500]}
+        try:
+            await self.client.post("/v1/nodes/report", json=body)
+        except httpx.HTTPError as exc:
+            log.warning("could not report %s to the tracker: %r", node, exc)
 
 
 def _route_error(response: httpx.Response) -> RouteError:
@@ -64,16 +96,44 @@ class RegistryRoutes:
         self.registry = registry
         self.rng = rng
 
-    async def route(self, model: ModelId, start: int) -> list[Hop]:
+    async def route(
+        self,
+        model: ModelId,
+        start: int,
+        end: int | None = None,
+        exclude: frozenset[NodeId] = frozenset(),
+    ) -> list[Hop]:
         self.registry.expire()
-        return hops_of(views.route(self.registry, model, start, self.rng))
+        return hops_of(views.route(self.registry, model, start, self.rng, end, frozenset(exclude)))
+
+    async def report(self, node: NodeId, reason: str) -> None:
+        self.registry.report(node, reason)
 
 
 class StaticRoutes:
-    """The fake: always the same hops."""
+    """The fake: a fixed set of hops (replicas allowed); the first fitting chain wins."""
 
     def __init__(self, hops: Sequence[Hop]) -> None:
         self.hops = list(hops)
+        self.reported: list[NodeId] = []
 
-    async def route(self, model: ModelId, start: int) -> list[Hop]:
-        return [h for h in self.hops if h.span.start >= start]
+    async def route(
+        self,
+        model: ModelId,
+        start: int,
+        end: int | None = None,
+        exclude: frozenset[NodeId] = frozenset(),
+    ) -> list[Hop]:
+        chain, position = [], start
+        while end is None or position < end:
+            fits = [h for h in self.hops if h.span.start == position and h.node_id not in exclude]
+            if not fits:
+                break
+            chain.append(fits[0])
+            position = fits[0].span.end
+        if end is not None and position < end or not chain:
+            raise MissingLayersError(f"no node serves layers {position}:{end}", missing=[])
+        return chain
+
+    async def report(self, node: NodeId, reason: str) -> None:
+        self.reported.append(node)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,7 +61,8 @@ class HttpTransport:
     ) -> None:
         self.wire = wire
         self.limits = limits
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # a dead host fails fast at connect; a slow prefill chunk may take up to timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s))
         self._client: aiohttp.ClientSession | None = None
 
     def _session(self) -> aiohttp.ClientSession:
@@ -80,7 +81,7 @@ class HttpTransport:
                     raise hop_error(hop, response.status, body)
                 return decode(response.headers, body, self.limits)[1]
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise HopError(f"hop {hop} failed: {exc!r}", status=None) from exc
+            raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         try:
@@ -102,7 +103,7 @@ def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
         message = str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = body[:200].decode("utf-8", "replace")
-    return HopError(f"hop {hop} answered {status}: {message}", status=status)
+    return HopError(f"hop {hop} answered {status}: {message}", status=status, hop=hop)
 
 
 class InProcessTransport:
@@ -113,21 +114,29 @@ class InProcessTransport:
         self.wire = wire
         self.closed: list[tuple[str, SessionId]] = []
         self.frames: list[tuple[str, int, int, int]] = []  # (address, tokens, index, total)
+        self.dead: set[str] = set()  # addresses that fail like a killed process
+        self.before_frame: Callable[[str, FrameMeta], None] = lambda address, meta: None
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         frame = encode(hidden, meta, self.wire)
         meta, hidden = decode(frame.headers, bytes(frame.body))
-        self.frames.append((hop.address, hidden.shape[1], meta.chunk_index, meta.chunk_total))
         await asyncio.sleep(0)  # a network hop yields: concurrent sessions interleave here
+        self.before_frame(hop.address, meta)
+        if hop.address in self.dead:
+            raise HopError(f"hop {hop} failed: connection refused", status=None, hop=hop)
+        self.frames.append((hop.address, hidden.shape[1], meta.chunk_index, meta.chunk_total))
         try:
             out = self.runners[hop.address].forward(meta, hidden)
         except MeshError as exc:
             raise HopError(
-                f"hop {hop} answered {exc.http_status}: {exc.message}", status=exc.http_status
+                f"hop {hop} answered {exc.http_status}: {exc.message}",
+                status=exc.http_status,
+                hop=hop,
             ) from exc
         back = encode(out, meta, self.wire)
         return decode(back.headers, bytes(back.body))[1]
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         self.closed.append((hop.address, session))
-        self.runners[hop.address].drop(session)
+        if hop.address not in self.dead:
+            self.runners[hop.address].drop(session)

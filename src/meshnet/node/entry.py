@@ -125,6 +125,7 @@ def make_generator(
         transport,
         service.wire,
         entry_id,
+        retry=entry.retry,
     )
     return Generator(pipeline, model.codec, model.max_context, random.Random(entry.seed))
 

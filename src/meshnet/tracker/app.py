@@ -53,15 +53,25 @@ def create_app(registry: Registry, config: TrackerConfig) -> FastAPI:
     def leave(request: msg.LeaveRequest) -> dict[str, bool]:
         return {"left": registry.leave(NodeId(request.node_id))}
 
+    @app.post("/v1/nodes/report")
+    def report(request: msg.ReportRequest) -> dict[str, bool]:
+        return {"reported": registry.report(NodeId(request.node_id), request.reason)}
+
     @app.get("/v1/coverage")
     def coverage() -> msg.CoverageResponse:
         registry.expire()
         return views.coverage(registry)
 
     @app.get("/v1/route")
-    def route(model: str = Query(max_length=200), start: int = Query(0, ge=0)) -> msg.RouteResponse:
+    def route(
+        model: str = Query(max_length=200),
+        start: int = Query(0, ge=0),
+        end: int | None = Query(None, ge=1),
+        exclude: str = Query("", max_length=8000, description="node ids, comma-separated"),
+    ) -> msg.RouteResponse:
         registry.expire()
-        return views.route(registry, model, start, rng)
+        banned = frozenset(n for n in exclude.split(",") if n)
+        return views.route(registry, model, start, rng, end, banned)
 
     @app.get("/health")
     def health() -> dict[str, object]:

@@ -75,6 +75,13 @@ class LeaveRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
 
 
+class ReportRequest(Message):
+    """An entry node tells the tracker a hop failed it."""
+
+    node_id: str = Field(pattern=ID_PATTERN)
+    reason: str = Field(max_length=500)
+
+
 class LayerCoverage(Message):
     layer: int
     serving: list[str]  # node ids with the layer loaded

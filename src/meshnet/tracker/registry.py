@@ -39,6 +39,7 @@ class NodeRecord:
     failed: set[Key] = field(default_factory=set)
     pending: list[Directive] = field(default_factory=list)  # not yet delivered
     sessions: int = 0
+    suspect: bool = False  # an entry node reported it failing; out of routes until it beats
 
     def view(self) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
@@ -103,6 +104,7 @@ class Registry:
         undelivered = {(d.model, d.span) for d in record.pending if d.op == "LOAD_SHARD"}
         record.assigned = (record.assigned & (reported | undelivered)) - record.failed
         record.sessions = beat.sessions
+        record.suspect = False  # it is alive: routes may use it again
         self.replan()
         return self._deliver(NodeId(beat.node_id))
 
@@ -112,6 +114,15 @@ class Registry:
             log.info("node %s left; re-planning its spans", node_id)
             self.replan()
         return gone
+
+    def report(self, node_id: NodeId, reason: str) -> bool:
+        """An entry node saw `node_id` fail: keep it out of routes until its next heartbeat."""
+        record = self.nodes.get(node_id)
+        if record is None:
+            return False
+        log.warning("node %s reported failing: %s", node_id, reason)
+        record.suspect = True
+        return True
 
     def expire(self) -> list[NodeId]:
         now = self.clock()

@@ -23,19 +23,26 @@ class Server:
 
 
 def choose_route(
-    model: ModelId, num_layers: int, servers: Sequence[Server], start: int, rng: random.Random
+    model: ModelId,
+    num_layers: int,
+    servers: Sequence[Server],
+    start: int,
+    rng: random.Random,
+    end: int | None = None,
 ) -> list[Server]:
-    """Hops covering `[start, num_layers)`: fewest hops, then lowest estimated cost.
+    """Hops covering `[start, end)` (`end` defaults to `num_layers`): fewest hops, then cost.
 
     The cost of a hop is (1 + sessions) / throughput; among hops of equal cost `rng` picks,
     which spreads sessions across replicas. Raises `MissingLayersError` naming uncovered
     layers, or `RouteError` when layers are covered but no chain lines up.
     """
-    best: dict[int, tuple[int, float]] = {num_layers: (0, 0.0)}  # position -> (hops, cost)
+    end = num_layers if end is None else end
+    best: dict[int, tuple[int, float]] = {end: (0, 0.0)}  # position -> (hops, cost)
     by_start: dict[int, list[Server]] = {}
     for server in servers:
-        by_start.setdefault(server.span.start, []).append(server)
-    for position in range(num_layers - 1, start - 1, -1):
+        if server.span.end <= end:
+            by_start.setdefault(server.span.start, []).append(server)
+    for position in range(end - 1, start - 1, -1):
         options = [
             (best[s.span.end][0] + 1, best[s.span.end][1] + _cost(s))
             for s in by_start.get(position, [])
@@ -44,8 +51,8 @@ def choose_route(
         if options:
             best[position] = min(options)
     if start not in best:
-        _raise_missing(model, num_layers, servers, start)
-    return _walk(best, by_start, start, num_layers, rng)
+        _raise_missing(model, num_layers, servers, start, end)
+    return _walk(best, by_start, start, end, rng)
 
 
 def _cost(server: Server) -> float:
@@ -75,9 +82,13 @@ def _walk(
     return hops
 
 
-def _raise_missing(model: ModelId, num_layers: int, servers: Sequence[Server], start: int) -> None:
+def _raise_missing(
+    model: ModelId, num_layers: int, servers: Sequence[Server], start: int, end: int
+) -> None:
     missing = [
-        g for g in gaps(num_layers, [(s.span, s.throughput) for s in servers]) if g.end > start
+        LayerSpan(max(g.start, start), min(g.end, end))
+        for g in gaps(num_layers, [(s.span, s.throughput) for s in servers])
+        if g.end > start and g.start < end
     ]
     if missing:
         text = ", ".join(str(g) for g in missing)
@@ -86,5 +97,5 @@ def _raise_missing(model: ModelId, num_layers: int, servers: Sequence[Server], s
         )
     raise RouteError(
         f"every layer of {model} is served, but no chain of spans starts at "
-        f"layer {start} and reaches layer {num_layers}"
+        f"layer {start} and ends at layer {end}"
     )

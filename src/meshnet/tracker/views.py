@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from meshnet.errors import RouteError
+from meshnet.errors import RequestError, RouteError, UnknownModelError
 from meshnet.tracker import messages as msg
 from meshnet.tracker.planner import gaps
 from meshnet.tracker.registry import Registry
@@ -12,27 +12,40 @@ from meshnet.tracker.routing import Server, choose_route
 from meshnet.types import ModelId
 
 
-def servers(registry: Registry, model: ModelId) -> list[Server]:
-    """Every loaded span of `model`, with its node's address and load."""
+def servers(
+    registry: Registry, model: ModelId, exclude: frozenset[str] = frozenset()
+) -> list[Server]:
+    """Every loaded span of `model` on nodes not excluded or reported failing."""
     return [
         Server(node_id, r.request.address, span, r.request.throughput, r.sessions)
         for node_id, r in sorted(registry.nodes.items())
+        if node_id not in exclude and not r.suspect
         for m, span in sorted(r.loaded)
         if m == model
     ]
 
 
-def route(registry: Registry, model: str, start: int, rng: random.Random) -> msg.RouteResponse:
+def route(
+    registry: Registry,
+    model: str,
+    start: int,
+    rng: random.Random,
+    end: int | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> msg.RouteResponse:
     offer = registry.offers.get(ModelId(model))
     if offer is None:
-        raise RouteError(
+        raise UnknownModelError(
             f"model {model!r} is not offered (offered: {sorted(registry.offers)})", field="model"
         )
-    if not 0 <= start < offer.num_layers:
-        raise RouteError(
-            f"start {start} is outside {model}'s {offer.num_layers} layers", field="start"
+    end = offer.num_layers if end is None else end
+    if not 0 <= start < end <= offer.num_layers:
+        raise RequestError(
+            f"layers {start}:{end} are not a span within {model}'s {offer.num_layers} layers",
+            field="start",
         )
-    hops = choose_route(offer.model, offer.num_layers, servers(registry, offer.model), start, rng)
+    live = servers(registry, offer.model, exclude)
+    hops = choose_route(offer.model, offer.num_layers, live, start, rng, end)
     return msg.RouteResponse(
         model=model,
         hops=[msg.RouteHop(node_id=h.node_id, address=h.address, span=h.span) for h in hops],

@@ -1,0 +1,86 @@
+"""Replacing a failed hop mid-generation, so the user sees a pause and nothing else.
+
+When a hop fails (unreachable, timed out, 5xx, or its cache is gone), the entry node bans it
+for the session, reports it to the tracker, asks for a chain covering exactly the failed span
+without banned nodes, replays into that chain everything the failed hop had been sent (its
+inputs, kept by the session), and puts the chain in its place. The caller then re-sends the
+frame that failed. Attempts are bounded, with capped exponential backoff between them; when
+no replacement exists the last error ends the request (503 naming the missing layers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshnet.client.transport import Hop
+from meshnet.errors import HopError, MeshError, RouteError
+from meshnet.wire import FrameMeta, split_prefill
+
+if TYPE_CHECKING:
+    from meshnet.client.pipeline import Pipeline, PipelineSession
+
+log = logging.getLogger(__name__)
+
+
+async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: HopError) -> None:
+    """Replace `session.hops[k]`, which just failed with `error`; raises when nothing can."""
+    started, failed = time.perf_counter(), session.hops[k]
+    last: MeshError = error
+    await _ban(pipeline, session, failed, str(error))
+    for attempt in range(pipeline.retry.max_attempts):
+        try:
+            chain = await pipeline.routes.route(
+                pipeline.model, failed.span.start, failed.span.end, frozenset(session.banned)
+            )
+            inputs = await _replay(pipeline, session, k, chain)
+        except HopError as exc:  # a replacement failed too: ban it as well, try again
+            last = exc
+            if exc.hop is not None:
+                await _ban(pipeline, session, exc.hop, str(exc))
+        except RouteError as exc:
+            last = exc
+        else:
+            session.hops[k : k + 1] = chain
+            session.inputs[k : k + 1] = inputs
+            session.fresh.update(chain)
+            pause = time.perf_counter() - started
+            session.failover_pauses_s.append(pause)
+            log.info("session %s: %s replaced by %s in %.3f s", session.id, failed, chain, pause)
+            return
+        await asyncio.sleep(pipeline.retry.backoff_s(attempt))
+    log.warning("session %s: no replacement for %s: %s", session.id, failed, last.message)
+    raise last
+
+
+async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, reason: str) -> None:
+    session.banned.add(hop.node_id)
+    await pipeline.routes.report(hop.node_id, reason)
+    await pipeline.transport.close_session(hop, session.id)  # in case it is alive after all
+
+
+async def _replay(
+    pipeline: Pipeline, session: PipelineSession, k: int, chain: list[Hop]
+) -> list[list[torch.Tensor]]:
+    """Send the failed hop's past inputs through `chain`; the inputs each new hop was sent."""
+    pieces = session.inputs[k]
+    hidden = torch.cat(pieces, dim=1) if pieces else None
+    recorded: list[list[torch.Tensor]] = []
+    for hop in chain:
+        await pipeline.transport.close_session(hop, session.id)  # start from an empty cache
+        recorded.append([] if hidden is None else [hidden])
+        if hidden is None:
+            continue
+        outputs = []
+        chunks = split_prefill(hidden, 0, pipeline.wire.chunk_tokens)
+        for chunk in chunks:
+            meta = FrameMeta(
+                session.id, pipeline.model, hop.span, chunk.position, chunk.index, chunk.total
+            )
+            outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
+        hidden = torch.cat(outputs, dim=1)
+    return recorded

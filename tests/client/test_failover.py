@@ -1,0 +1,89 @@
+"""Failover with fake hops: a hop dying mid-generation costs a pause and nothing else."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshnet.client.generation import GenerationParams
+from meshnet.client.routes import StaticRoutes
+from meshnet.client.sampling import SamplingParams
+from meshnet.errors import HopError, MissingLayersError
+from meshnet.wire import FrameMeta
+from tests.client.fakes import fake_mesh
+from tests.client.test_generation import collect
+from tests.conftest import run
+
+PARAMS = GenerationParams(20, (), SamplingParams(temperature=0.0))
+PROMPT = "0123456789" * 5  # 50 tokens: chunks of 16 with chunk_tokens=16
+
+
+def kill_at(transport: object, address: str, position: int) -> None:
+    """Kill `address` when a frame for `position` or later first reaches it."""
+
+    def before(to: str, meta: FrameMeta) -> None:
+        if to == address and meta.position >= position:
+            transport.dead.add(address)  # type: ignore[attr-defined]
+
+    transport.before_frame = before  # type: ignore[attr-defined]
+
+
+def failure_free() -> str:
+    generator, _, _ = fake_mesh(chunk_tokens=16, replicas=True)
+    return run(collect(generator, PROMPT, PARAMS))[0]
+
+
+@pytest.mark.parametrize(
+    ("address", "position"),
+    [("a", 55), ("b", 50), ("b", 68), ("a", 16), ("b", 32)],  # decode steps; prefill chunks
+)
+def test_output_equals_the_failure_free_run(address: str, position: int) -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    kill_at(transport, address, position)
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free()
+    assert len(end.failover_pauses_s) == 1
+    assert [h.node_id for h in end.route][1:] == (
+        ["node-a2", "node-b"] if address == "a" else ["node-a", "node-b2"]
+    )
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == [f"node-{address}"]
+    assert all(r.session_count() == 0 for name, r in runners.items() if name != address)
+
+
+def test_replacement_failing_too_is_banned_and_the_next_one_used() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes)
+    routes.hops.append(routes.hops[3].__class__("node-b3", "b3", routes.hops[3].span))  # type: ignore[arg-type]
+    runners["b3"] = runners["b"].__class__(runners["b"].model, runners["b"].span)
+    transport.dead.add("b2")
+    kill_at(transport, "b", 60)
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free() and end.route[-1].node_id == "node-b3"
+    assert routes.reported == ["node-b", "node-b2"]
+
+
+def test_no_replacement_ends_the_request_quickly_naming_the_layers() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16)  # no replicas
+    kill_at(transport, "b", 60)
+    started = time.perf_counter()
+    with pytest.raises(MissingLayersError, match="4:6"):
+        run(collect(generator, PROMPT, PARAMS))
+    assert time.perf_counter() - started < 2.0
+    assert all(r.session_count() == 0 for name, r in runners.items() if name != "b")
+
+
+def test_a_refused_frame_is_not_retried() -> None:
+    generator, transport, _ = fake_mesh(chunk_tokens=16, replicas=True)
+
+    def refuse(to: str, meta: FrameMeta) -> None:
+        if to == "a" and meta.position > 52:
+            raise HopError("hop a answered 400: bad frame", status=400)
+
+    transport.before_frame = refuse
+    with pytest.raises(HopError, match="400"):
+        run(collect(generator, PROMPT, PARAMS))
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == []
