@@ -44,6 +44,7 @@ class NodeConfig:
     kv_reserve_fraction: float = 0.1  # share of the budget kept for KV caches
     data_dir: str | None = None  # keeps the node id across restarts; None = ~/.meshnet/node-PORT
     entry: bool = False  # also hold the head and serve the OpenAI-compatible API (needs layer 0)
+    drain_timeout_s: float = 10.0  # on SIGTERM, calls in flight get this long to finish
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@
     ├── RouteError                  no chain of nodes can serve the request (503)
     │   └── MissingLayersError      some layers of a model have no node (503)
     ├── HopError                    a hop of a route failed or refused a frame (502)
+    ├── UnavailableError            a draining node refuses new sessions (503)
     └── RequestError                a client request the API cannot take (400)
         └── UnknownModelError       the request names a model this entry does not serve (404)
 
@@ -106,6 +107,12 @@ class HopError(MeshError):
     def retryable(self) -> bool:
         """A failure of the hop (gone, timed out, 5xx, its cache lost), not of our frame."""
         return self.status is None or self.status >= 500 or self.status == 409
+
+
+class UnavailableError(MeshError):
+    """The node is shutting down and takes no new sessions."""
+
+    http_status = 503
 
 
 class RequestError(MeshError):

@@ -52,7 +52,8 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
             session.failover_pauses_s.append(pause)
             log.info("session %s: %s replaced by %s in %.3f s", session.id, failed, chain, pause)
             return
-        await asyncio.sleep(pipeline.retry.backoff_s(attempt))
+        if attempt + 1 < pipeline.retry.max_attempts:
+            await asyncio.sleep(pipeline.retry.backoff_s(attempt))
     log.warning("session %s: no replacement for %s: %s", session.id, failed, last.message)
     raise last
 

@@ -67,6 +67,11 @@ class NodeAgent:
                 log.warning("tracker unreachable (%s); retrying in %.1f s", exc, self.interval_s)
             await asyncio.sleep(self.interval_s)
 
+    async def retire(self, task: asyncio.Task[None]) -> None:
+        """Stop heartbeating (`task` is `run()`), then leave: the tracker re-plans at once."""
+        task.cancel()
+        await self.leave()
+
     async def leave(self) -> None:
         try:
             await self.client.post(

@@ -16,7 +16,12 @@ from starlette.responses import JSONResponse, Response
 
 from meshnet import __version__
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import PayloadTooLargeError, SessionNotFoundError, WireError
+from meshnet.errors import (
+    PayloadTooLargeError,
+    SessionNotFoundError,
+    UnavailableError,
+    WireError,
+)
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.runner import ShardRunner
 from meshnet.types import LayerSpan, SessionId
@@ -68,6 +73,8 @@ class NodeService:
         self.wire = wire
         self.lock = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
+        self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
 
     def add(self, runner: ShardRunner) -> None:
         self.runners[(runner.model, runner.span)] = runner
@@ -94,6 +101,8 @@ class NodeService:
             raise WireError(
                 f"this node serves {served}, not {meta.model} layers {meta.span}", field=h.LAYERS
             )
+        if self.draining and meta.position == 0:
+            raise UnavailableError("this node is shutting down; it takes no new sessions")
         inline = hidden.shape[1] <= INLINE_MAX_TOKENS
         out = await self.call(inline, runner.forward, meta, hidden)
         encoded = encode(out, meta, self.wire)

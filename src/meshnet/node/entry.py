@@ -37,7 +37,7 @@ from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_node_routes
-from meshnet.node.serve import load_runner, registration
+from meshnet.node.serve import load_runner, registration, run_server
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.messages import RegisterRequest
@@ -146,6 +146,7 @@ def agent_lifespan(
                 service, http, request, lambda m, s, span: load_runner(config, m, s, span)
             )
             task = asyncio.create_task(agent.run())
+            service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
             try:
                 yield
             finally:
@@ -227,7 +228,7 @@ def build_tracker_node_app(
 def serve_entry(config: NodeConfig, entry: EntryConfig) -> None:
     app = build_entry_app(config, entry)
     log.info("entry node listening on http://%s:%d (API under /v1)", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
 
 
 def serve_tracker_node(tracker: TrackerConfig, node: NodeConfig, entry: EntryConfig) -> None:

@@ -9,6 +9,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import httpx
 import torch
@@ -96,15 +98,48 @@ def build_app(config: NodeConfig) -> Starlette:
                 service, client, request, lambda m, s, span: load_runner(config, m, s, span)
             )
             task = asyncio.create_task(agent.run())
+            service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
             yield
             task.cancel()
-            await agent.leave()  # SIGTERM: the tracker re-plans our spans at once
+            await agent.leave()  # a no-op when the signal handler already left
 
     return create_app(service=service, lifespan=lifespan)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT also drains the node before the usual shutdown.
+
+    The node refuses new sessions at once and leaves the tracker (which re-plans its spans),
+    while uvicorn stops accepting connections and lets calls in flight finish for up to
+    `timeout_graceful_shutdown` seconds.
+    """
+
+    def __init__(self, config: uvicorn.Config, service: NodeService) -> None:
+        super().__init__(config)
+        self.service = service
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self.loop is not None:
+            self.service.draining = True
+            log.info("draining: no new sessions; leaving the tracker")
+            self.loop.call_soon_threadsafe(self.service.on_exit)
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: Starlette, service: NodeService, host: str, port: int, drain_s: float) -> None:
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(drain_s)
+    )
+    DrainingServer(config, service).run()
 
 
 def serve(config: NodeConfig) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
     app = build_app(config)
     log.info("node listening on http://%s:%d", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
