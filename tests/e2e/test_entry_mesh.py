@@ -1,4 +1,4 @@
-"""The whole system in real processes: tracker-as-entry-node + two nodes, the default model.
+"""The whole system in real processes (the shared mesh of `tests/e2e/mesh.py`), default model.
 
 Greedy output through the mesh (3 hops, bf16 activations on the wire, fp32 weights) must
 equal monolithic transformers `generate` at fp32, through raw HTTP and the `openai` client,
@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,48 +21,12 @@ import torch
 from meshnet.models.loader import load_tokenizer
 from meshnet.models.source import ModelSource
 from meshnet.terminal import GenerateOptions, run_chat
-from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+from tests.e2e.mesh import Mesh
+from tests.e2e.procs import wait_for
 
 pytestmark = pytest.mark.slow
-BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NEW_TOKENS = 64
 STORY = "Write a short story about a robot who learns to paint."
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("entry-mesh")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs = [
-        start(
-            ["tracker", "--port", str(port), "--layers", "0:10", "--quant", "fp32"]
-            + ["--data-dir", str(logs / "tracker")],
-            logs / "tracker.log",
-        )
-    ]
-    nodes = []
-    for name in ("a", "b"):
-        node_port = free_port()
-        nodes.append(f"http://127.0.0.1:{node_port}")
-        args = ["node", "--tracker", url, "--port", str(node_port), "--budget", BUDGET]
-        args += ["--quant", "fp32", "--data-dir", str(logs / name)]
-        procs.append(start(args, logs / f"{name}.log"))
-    entry_port = free_port()  # a second entry point: any node serving layer 0 can be one
-    entry = f"http://127.0.0.1:{entry_port}"
-    args = ["node", "--entry", "--tracker", url, "--port", str(entry_port), "--layers", "0:10"]
-    procs.append(
-        start(args + ["--quant", "fp32", "--data-dir", str(logs / "entry")], logs / "e.log")
-    )
-    try:
-        wait_for(
-            lambda: get_json(f"{url}/v1/coverage")["models"][0]["routable"], 240, "full coverage"
-        )
-        wait_for(lambda: len(get_json(f"{url}/v1/coverage")["nodes"]) == 4, 240, "the entry node")
-        yield {"url": url, "nodes": nodes, "entry": entry, "logs": logs}
-    finally:
-        for process in procs:
-            stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +61,7 @@ def long_prompt(tokenizer: Any, english_ids: torch.Tensor) -> str:
 
 
 def test_greedy_chat_equals_monolithic_generate(
-    mesh: dict[str, Any], smollm_reference: Any, tokenizer: Any
+    mesh: Mesh, smollm_reference: Any, tokenizer: Any
 ) -> None:
     expected = reference(smollm_reference, tokenizer, chat_ids(tokenizer, STORY))
     body = {
@@ -107,19 +70,19 @@ def test_greedy_chat_equals_monolithic_generate(
         "temperature": 0,
         "max_tokens": NEW_TOKENS,
     }
-    answer = httpx.post(f"{mesh['url']}/v1/chat/completions", json=body, timeout=120).json()
+    answer = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=120).json()
     assert answer["choices"][0]["message"]["content"] == expected
     assert answer["usage"]["completion_tokens"] == NEW_TOKENS
     assert [h["span"] for h in answer["meshnet"]["route"]] == ["0:10", "10:20", "20:30"]
 
 
 def test_long_prompt_with_the_openai_client_streaming_and_not(
-    mesh: dict[str, Any], smollm_reference: Any, tokenizer: Any, long_prompt: str
+    mesh: Mesh, smollm_reference: Any, tokenizer: Any, long_prompt: str
 ) -> None:
     ids = tokenizer.encode(long_prompt, add_special_tokens=False)
     assert len(ids) > 300  # three 128-token prefill chunks
     expected = reference(smollm_reference, tokenizer, ids)
-    client = openai.OpenAI(base_url=f"{mesh['url']}/v1", api_key="unused", timeout=120)
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     plain = client.completions.create(
         model="default", prompt=long_prompt, max_tokens=NEW_TOKENS, temperature=0
     )
@@ -131,8 +94,8 @@ def test_long_prompt_with_the_openai_client_streaming_and_not(
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected
 
 
-def test_openai_chat_streaming_answers_paris(mesh: dict[str, Any]) -> None:
-    client = openai.OpenAI(base_url=f"{mesh['url']}/v1", api_key="unused", timeout=120)
+def test_openai_chat_streaming_answers_paris(mesh: Mesh) -> None:
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     assert [m.id for m in client.models.list().data] == ["default"]
     stream = client.chat.completions.create(
         model="default",
@@ -144,7 +107,7 @@ def test_openai_chat_streaming_answers_paris(mesh: dict[str, Any]) -> None:
     assert text == "The capital of France is Paris."
 
 
-def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: dict[str, Any]) -> None:
+def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: Mesh) -> None:
     questions = ["What is 2 + 2?", "Name a colour.", "What is the capital of Italy?"]
 
     def ask(question: str) -> str:
@@ -154,19 +117,18 @@ def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: dict[str, An
             "temperature": 0,
             "max_tokens": 16,
         }
-        answer = httpx.post(f"{mesh['url']}/v1/chat/completions", json=body, timeout=120)
+        answer = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=120)
         return str(answer.json()["choices"][0]["message"]["content"])
 
     one_by_one = [ask(q) for q in questions]
     with ThreadPoolExecutor(len(questions)) as pool:
         assert list(pool.map(ask, questions)) == one_by_one
-    for node in mesh["nodes"]:  # every session was closed on every hop
-        assert get_json(f"{node}/health")["sessions"] == 0
+    assert all(mesh.sessions(name) == 0 for name in mesh.addresses)  # every session closed
 
 
-def test_generate_command_streams_to_stdout(mesh: dict[str, Any]) -> None:
+def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh["url"]]
+        [sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.url]
         + ["--temperature", "0", "What is the capital of France?"],
         capture_output=True,
         text=True,
@@ -176,8 +138,8 @@ def test_generate_command_streams_to_stdout(mesh: dict[str, Any]) -> None:
     assert out.stdout.strip() == "The capital of France is Paris."
 
 
-def test_bad_requests_get_openai_errors_and_change_nothing(mesh: dict[str, Any]) -> None:
-    url = mesh["url"]
+def test_bad_requests_get_openai_errors_and_change_nothing(mesh: Mesh) -> None:
+    url = mesh.url
     refused = httpx.post(f"{url}/v1/chat/completions", json={"model": "default"}, timeout=10)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
     unknown = httpx.post(
@@ -187,30 +149,30 @@ def test_bad_requests_get_openai_errors_and_change_nothing(mesh: dict[str, Any])
     test_openai_chat_streaming_answers_paris(mesh)
 
 
-def test_chat_loop_keeps_the_conversation(mesh: dict[str, Any]) -> None:
+def test_chat_loop_keeps_the_conversation(mesh: Mesh) -> None:
     lines = iter(["What is the capital of France?", "And of Germany?", ""])
     out = io.StringIO()
     options = GenerateOptions(temperature=0, max_tokens=24)
-    assert run_chat(mesh["url"], options, ask=lambda _: next(lines), out=out) == 0
+    assert run_chat(mesh.url, options, ask=lambda _: next(lines), out=out) == 0
     transcript = out.getvalue()
     assert "The capital of France is Paris." in transcript
     assert "Berlin" in transcript  # the second turn saw the first
 
 
-def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: dict[str, Any]) -> None:
+def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: Mesh) -> None:
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "temperature": 0,
     }
-    answer = httpx.post(f"{mesh['entry']}/v1/chat/completions", json=body, timeout=120).json()
+    answer = httpx.post(f"{mesh.entry}/v1/chat/completions", json=body, timeout=120).json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
     route = answer["meshnet"]["route"]
     assert [h["span"] for h in route] == ["0:10", "10:20", "20:30"]
     assert route[0]["address"] == "local"  # its own span, in its own process
 
 
-def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: dict[str, Any]) -> None:
+def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: Mesh) -> None:
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": STORY}],
@@ -218,13 +180,13 @@ def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: dict[s
         "max_tokens": 500,
         "stream": True,
     }
-    with httpx.stream("POST", f"{mesh['url']}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{mesh.url}/v1/chat/completions", json=body, timeout=60) as r:
         for count, _ in enumerate(r.iter_lines()):
             if count == 10:
-                assert get_json(f"{mesh['nodes'][0]}/health")["sessions"] == 1
+                assert sum(mesh.sessions(name) for name in mesh.addresses) == 2  # two hops
                 break  # leaving the block closes the connection mid-answer
     wait_for(
-        lambda: all(get_json(f"{n}/health")["sessions"] == 0 for n in mesh["nodes"]),
+        lambda: all(mesh.sessions(name) == 0 for name in mesh.addresses),
         10,
         "every hop to drop the session",
     )

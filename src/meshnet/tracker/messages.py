@@ -84,7 +84,7 @@ class ReportRequest(Message):
 
 class LayerCoverage(Message):
     layer: int
-    serving: list[str]  # node ids with the layer loaded
+    serving: list[str]  # node ids with the layer loaded (and not reported failing)
     loading: list[str]  # node ids told to load it
 
 
@@ -106,6 +106,7 @@ class NodeSummary(Message):
     loading: list[ShardRef]
     sessions: int
     last_heartbeat_age_s: float
+    suspect: bool = False  # reported failing by an entry node; out of routes until it beats
 
 
 class CoverageResponse(Message):

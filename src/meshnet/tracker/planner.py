@@ -203,10 +203,16 @@ def _replicate(
     free: dict[NodeId, int],
     holders: dict[ModelId, list[tuple[LayerSpan, float]]],
 ) -> list[Directive]:
-    """Give each idle node a copy of the existing span with the least capacity that fits it."""
+    """Give each idle node a copy of the existing span with the fewest copies that fits it.
+
+    Ties go to the least summed throughput. Copies come first because redundancy is what a
+    replica is for: one fast copy does not survive its node's death; start-up throughput
+    figures are also noisy enough to pile every replica on one span.
+    """
     out: list[Directive] = []
     spans = sorted({(m, s) for m, held in holders.items() for s, _ in held})
     capacity = {(m, s): sum(t for s2, t in holders[m] if s2 == s) for m, s in spans}
+    copies = {(m, s): sum(1 for s2, _ in holders[m] if s2 == s) for m, s in spans}
     cost = {(m, s): {q: len(s) * b for q, b in offers[m].layer_bytes.items()} for m, s in spans}
     cheapest: dict[str, int] = {}  # quant -> smallest span cost: most idle nodes fail this test
     for by_quant in cost.values():
@@ -217,7 +223,7 @@ def _replicate(
             continue
         room = free[node.node_id]
         fits = [
-            (capacity[key], key)
+            (copies[key], capacity[key], key)
             for key in spans
             if cost[key].get(node.quant, room + 1) <= room
             and (node.models is None or key[0] in node.models)
@@ -225,16 +231,18 @@ def _replicate(
         ]
         if not fits:
             continue
-        weakest, (model, span) = min(fits)
+        fewest, weakest, (model, span) = min(fits)
         free[node.node_id] -= cost[(model, span)][node.quant]
         capacity[(model, span)] += node.throughput
+        copies[(model, span)] += 1
         out.append(
             Directive(
                 "LOAD_SHARD",
                 node.node_id,
                 model,
                 span,
-                f"adds a replica of {model} layers {span}, the least served (capacity {weakest:g})",
+                f"adds a replica of {model} layers {span}, the least served "
+                f"({fewest} copies, capacity {weakest:g})",
             )
         )
     return out

@@ -60,7 +60,7 @@ def coverage(registry: Registry) -> msg.CoverageResponse:
         loading: list[list[str]] = [[] for _ in range(offer.num_layers)]
         for node_id, r in sorted(registry.nodes.items()):
             for m, span in r.loaded | r.assigned:
-                if m == model_id:
+                if m == model_id and not r.suspect:
                     target = serving if (m, span) in r.loaded else loading
                     for layer in span:
                         target[layer].append(node_id)
@@ -88,6 +88,7 @@ def coverage(registry: Registry) -> msg.CoverageResponse:
             loading=[msg.ShardRef(model=m, span=s) for m, s in sorted(r.assigned - r.loaded)],
             sessions=r.sessions,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
+            suspect=r.suspect,
         )
         for n, r in sorted(registry.nodes.items())
     ]

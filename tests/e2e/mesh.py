@@ -1,0 +1,93 @@
+"""One real mesh shared by the end-to-end tests of the entry node and of failover.
+
+A tracker-as-entry-node (layers 0:10, fp32) and six nodes of ten fp32 layers each: the
+planner covers 10:20 and 20:30 first, then adds replicas (the span with the fewest copies
+first), so every span has at least two copies.
+Every route is three hops, `0:10 -> 10:20 -> 20:30`. Besides, a second entry point started
+with `meshnet node --entry`. Tests that kill nodes restart them and wait for the copies to
+come back, so later tests find the mesh whole.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+
+BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
+NODES = ("a", "b", "c", "d", "e", "f")
+COPIES = 2  # at least, of each span after the entry's
+
+
+class Mesh:
+    """The processes of the mesh, by name, with what restarts them."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.args: dict[str, list[str]] = {}
+        self.addresses: dict[str, str] = {}  # the six plain nodes
+        self.entry = ""  # the `node --entry` process's URL
+
+    def launch(self, name: str, args: list[str]) -> None:
+        self.args[name] = args
+        self.procs[name] = start(args, self.folder / f"{name}.log")
+
+    def start_all(self) -> None:
+        self.launch(
+            "tracker",
+            ["tracker", "--port", str(self.port), "--layers", "0:10", "--quant", "fp32"]
+            + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")],
+        )
+        for name in NODES:
+            port = free_port()
+            self.addresses[name] = f"http://127.0.0.1:{port}"
+            self.launch(name, self.node_args(port, name) + ["--budget", BUDGET])
+        port = free_port()
+        self.entry = f"http://127.0.0.1:{port}"
+        self.launch("entry", self.node_args(port, "entry") + ["--entry", "--layers", "0:10"])
+
+    def node_args(self, port: int, name: str) -> list[str]:
+        return ["node", "--tracker", self.url, "--port", str(port), "--quant", "fp32"] + [
+            "--data-dir",
+            str(self.folder / name),
+        ]
+
+    def restart(self, name: str) -> None:
+        """Start `name` again: same port, same data folder, so the same node id."""
+        self.launch(name, self.args[name])
+
+    def stop_all(self) -> None:
+        for process in self.procs.values():
+            stop(process)
+
+    def coverage(self) -> dict[str, Any]:
+        result: dict[str, Any] = get_json(f"{self.url}/v1/coverage")
+        return result
+
+    def copies(self) -> int:
+        """The fewest nodes serving any layer after the entry's span."""
+        layers = self.coverage()["models"][0]["layers"][10:]
+        return min(len(layer["serving"]) for layer in layers)
+
+    def whole(self) -> bool:
+        """Every node registered with a loaded span, and every span with spare copies."""
+        coverage = self.coverage()
+        loaded = {n["address"] for n in coverage["nodes"] if n["loaded"] and not n["suspect"]}
+        wanted = {*self.addresses.values(), self.entry}
+        return wanted <= loaded and self.copies() >= COPIES
+
+    def wait_whole(self, timeout_s: float = 120) -> None:
+        wait_for(self.whole, timeout_s, "every node serving and every span copied")
+
+    def sessions(self, name: str) -> int:
+        try:
+            return int(get_json(f"{self.addresses[name]}/health")["sessions"])
+        except httpx.HTTPError:
+            return 0
