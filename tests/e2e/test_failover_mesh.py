@@ -61,10 +61,30 @@ def stream_chat(
     return "".join(parts), final
 
 
+def spare(mesh: Mesh) -> set[str]:
+    """Nodes whose span has another live copy: killing one leaves a replacement."""
+    coverage = mesh.coverage()
+    layers = coverage["models"][0]["layers"]
+    names = {a: n for n, a in mesh.addresses.items()}
+    return {
+        names[node["address"]]
+        for node in coverage["nodes"]
+        if node["address"] in names
+        and node["loaded"]
+        and not node["suspect"]
+        and all(len(layers[s["span"]["start"]]["serving"]) >= 2 for s in node["loaded"])
+    }
+
+
 def kill_a_hop(mesh: Mesh, rng: random.Random) -> str:
-    """SIGKILL a random node on the running session's route, then start it again."""
-    on_route = [name for name in mesh.addresses if mesh.sessions(name) > 0]
-    assert on_route, "no node holds the session"
+    """SIGKILL a random node of the running session's route that has a spare copy; restart it.
+
+    Only spare-backed hops are candidates, so that a replacement exists: the point here is
+    failover, not running out of copies (the test after the chaos one does that).
+    """
+    candidates = spare(mesh)
+    on_route = [name for name in mesh.addresses if mesh.sessions(name) > 0 and name in candidates]
+    assert on_route, "no hop of the route has a spare copy"
     victim = rng.choice(on_route)
     mesh.procs[victim].send_signal(signal.SIGKILL)
     mesh.procs[victim].wait()
@@ -77,10 +97,12 @@ def test_chaos_every_generation_survives_a_killed_hop(mesh: Mesh) -> None:
     expected = {p: stream_chat(mesh, p)[0] for p in PROMPTS}
     pauses: list[float] = []
     lost = 0
+    by_token: dict[str, list[float]] = {"5-15": [], "35-45": []}
     for i in range(20):
-        wait_for(lambda: mesh.copies() >= 2, 60, "a spare copy of every span")
+        # a route has a hop on each span; one of them needs a spare copy for the kill
+        wait_for(lambda: bool(spare(mesh) - {"entry"}), 60, "a spare copy of a span")
         prompt = PROMPTS[i % len(PROMPTS)]
-        at = rng.randrange(2, 40)
+        at = rng.randrange(2, 46)
         killed: list[str] = []
 
         def on_token(n: int, at: int = at, killed: list[str] = killed) -> None:
@@ -92,38 +114,38 @@ def test_chaos_every_generation_survives_a_killed_hop(mesh: Mesh) -> None:
         assert killed, f"generation {i} ended before token {at}"
         assert text == expected[prompt], f"generation {i}: {killed} killed at token {at}"
         pauses += final["meshnet"]["failover_pauses_s"]
-    print(
-        f"\nchaos: 20 generations, {lost} lost, {len(pauses)} failovers, pause median "
-        f"{statistics.median(pauses) * 1000:.0f} ms, max {max(pauses) * 1000:.0f} ms"
-    )
+        for label, (low, high) in {"5-15": (5, 15), "35-45": (35, 45)}.items():
+            if low <= at <= high:
+                by_token[label] += final["meshnet"]["failover_pauses_s"]
+    print(f"\nchaos: 20 generations, {lost} lost, {len(pauses)} failovers, pause {ms(pauses)}")
+    for label, found in by_token.items():
+        print(f"  failures at tokens {label}: {len(found)}, pause {ms(found)}")
     assert len(pauses) >= 20
 
 
-@pytest.mark.parametrize("token", [10, 40])
-def test_failover_pause_at_token(mesh: Mesh, token: int) -> None:
-    rng, pauses = random.Random(token), []
-    for prompt in PROMPTS[:1]:
-        wait_for(lambda: mesh.copies() >= 2, 60, "a spare copy of every span")
-        _, final = stream_chat(
-            mesh, prompt, lambda n: kill_a_hop(mesh, rng) if n == token else None
-        )
-        pauses += final["meshnet"]["failover_pauses_s"]
-    print(
-        f"\nfailure at token {token}: {len(pauses)} failovers, pause median "
-        f"{statistics.median(pauses) * 1000:.0f} ms, max {max(pauses) * 1000:.0f} ms"
-    )
-    assert len(pauses) == 1
+def ms(pauses: list[float]) -> str:
+    if not pauses:
+        return "-"
+    return f"median {statistics.median(pauses) * 1000:.0f} ms, max {max(pauses) * 1000:.0f} ms"
+
+
+def settled(mesh: Mesh) -> bool:
+    """Every running node has registered and loaded its span (none idle, none loading)."""
+    loaded = {n["address"] for n in mesh.coverage()["nodes"] if n["loaded"] and not n["loading"]}
+    running = {a for n, a in mesh.addresses.items() if mesh.procs[n].poll() is None}
+    return running <= loaded
 
 
 def test_sigterm_under_load_finishes_requests_and_replans_at_once(mesh: Mesh) -> None:
-    mesh.wait_whole()
+    wait_for(lambda: settled(mesh) and bool(spare(mesh)), 60, "a settled mesh with spares")
     expected = stream_chat(mesh, PROMPTS[0])[0]
     left: dict[str, float] = {}
 
     def terminate(n: int) -> None:
         if n != 5:
             return
-        victim = next(name for name in mesh.addresses if mesh.sessions(name) > 0)
+        candidates = spare(mesh)
+        victim = next(n for n in mesh.addresses if mesh.sessions(n) > 0 and n in candidates)
         node_ids = {n["address"]: n["node_id"] for n in mesh.coverage()["nodes"]}
         sent = time.monotonic()
         mesh.procs[victim].send_signal(signal.SIGTERM)
@@ -141,17 +163,18 @@ def test_sigterm_under_load_finishes_requests_and_replans_at_once(mesh: Mesh) ->
     assert seconds < 2.0  # heartbeats expire only after 6 s
     mesh.procs[victim].wait(timeout=30)
     assert mesh.procs[victim].returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
-    mesh.restart(victim)
-    mesh.wait_whole()
 
 
 def test_losing_the_last_copy_fails_fast_naming_the_layers_then_recovers(mesh: Mesh) -> None:
-    mesh.wait_whole()
+    """Runs last: it leaves the mesh with one copy of 20:30 (the end of the session)."""
+    wait_for(lambda: settled(mesh), 60, "no node idle or loading")
     by_address = {a: n for n, a in mesh.addresses.items()}
     holders = [
         by_address[n["address"]]
         for n in mesh.coverage()["nodes"]
-        if any(s["span"] == {"start": 20, "end": 30} for s in n["loaded"])
+        if n["address"] in by_address
+        and mesh.procs[by_address[n["address"]]].poll() is None
+        and any(s["span"] == {"start": 20, "end": 30} for s in n["loaded"])
     ]
     for name in holders[:-1]:  # leave gracefully: only one copy of 20:30 is left
         mesh.procs[name].send_signal(signal.SIGTERM)
@@ -173,8 +196,7 @@ def test_losing_the_last_copy_fails_fast_naming_the_layers_then_recovers(mesh: M
     assert seconds < 10.0
     mesh.procs[last].wait()
     assert all(mesh.sessions(name) == 0 for name in mesh.addresses if name not in holders)
-    for name in holders:
-        mesh.restart(name)
-    mesh.wait_whole()
+    mesh.restart(last)
+    wait_for(lambda: mesh.coverage()["models"][0]["routable"], 60, "layers 20:30 back")
     text, _ = stream_chat(mesh, PROMPTS[1])
     assert len(text) > 20
