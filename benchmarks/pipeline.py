@@ -178,19 +178,21 @@ def main() -> None:
     torch.set_num_threads(2)
     lengths = [16] if args.tiny else [16, 512, 2048]
     tokens, repeats = (4, 1) if args.tiny else (args.tokens, args.repeats)
-    tokenizer = load_tokenizer(resolve("default"))
-    prompts = prompts_for(tokenizer, lengths)
     rows: dict[str, dict[str, float]] = {}
-    loaded: list[Callable[[str, int], None]] = []
+    loaded: dict[str, Any] = {}
 
-    def load_monolithic() -> None:  # while the first mesh loads (measured once both idle)
-        loaded[:] = loaded or [monolithic(tokenizer)]
+    def load_monolithic() -> None:  # while the first mesh starts (measured once both idle)
+        if not loaded:
+            tokenizer = load_tokenizer(resolve("default"))
+            loaded["prompts"] = prompts_for(tokenizer, lengths)
+            loaded["generate"] = monolithic(tokenizer)
 
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-") as logs:
         for hops in [1] if args.tiny else [1, 2, 3]:
             with mesh(hops, Path(logs), load_monolithic) as url:
+                prompts = loaded["prompts"]
                 if "monolithic" not in rows:
-                    rows["monolithic"] = measure(loaded[0], prompts, tokens, repeats)
+                    rows["monolithic"] = measure(loaded["generate"], prompts, tokens, repeats)
                 name = f"{hops} hop{'s' if hops > 1 else ''}"
                 rows[name] = mesh_run(url, prompts, tokens, repeats)
     print(f"fp32, greedy, {tokens} decoded tokens, medians of {repeats}\n")

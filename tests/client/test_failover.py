@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
-from meshnet.client.generation import GenerationParams
-from meshnet.client.routes import StaticRoutes
+from meshnet.client.generation import Delta, GenerationParams
+from meshnet.client.routes import StaticRoutes, TrackerRoutes
 from meshnet.client.sampling import SamplingParams
-from meshnet.errors import HopError, MissingLayersError
+from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.wire import FrameMeta
 from tests.client.fakes import fake_mesh
 from tests.client.test_generation import collect
@@ -87,3 +88,42 @@ def test_a_refused_frame_is_not_retried() -> None:
         run(collect(generator, PROMPT, PARAMS))
     routes = generator.pipeline.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == []
+
+
+def test_tracker_outage_keeps_open_sessions_going_and_routes_come_back() -> None:
+    """Open sessions hold their routes; new ones need the tracker, and get it when it is back."""
+    generator, _, _ = fake_mesh()
+    static = generator.pipeline.routes
+    assert isinstance(static, StaticRoutes)
+    down = {"now": False}
+
+    def tracker(request: httpx.Request) -> httpx.Response:
+        if down["now"]:
+            raise httpx.ConnectError("connection refused", request=request)
+        hops = [
+            {
+                "node_id": h.node_id,
+                "address": h.address,
+                "span": {"start": h.span.start, "end": h.span.end},
+            }
+            for h in static.hops
+        ]
+        return httpx.Response(200, json={"model": "fake", "hops": hops})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(tracker), base_url="http://tracker")
+    generator.pipeline.routes = TrackerRoutes(client)
+
+    async def go() -> tuple[str, str]:
+        stream = generator.stream([97], PARAMS)
+        first = await anext(stream)  # the route is taken; now the tracker goes away
+        down["now"] = True
+        rest = [e async for e in stream]
+        with pytest.raises(RouteError, match="unreachable"):
+            await anext(generator.stream([97], PARAMS))
+        down["now"] = False
+        again = [e async for e in generator.stream([97], PARAMS)]
+        text = "".join(e.text for e in [first, *rest] if isinstance(e, Delta))
+        return text, "".join(e.text for e in again if isinstance(e, Delta))
+
+    during, after = run(go())
+    assert during == after == "bcdefghijklmnopqrstu"

@@ -10,10 +10,15 @@ from tests.e2e.mesh import Mesh
 
 
 @pytest.fixture(scope="session")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Mesh]:
     mesh = Mesh(tmp_path_factory.mktemp("mesh"))
     mesh.start_all()
     try:
+        # the end-to-end tests compare with these: load them while the processes start
+        request.getfixturevalue("smollm_reference")
+        request.getfixturevalue("smollm_tokenizer")
         mesh.wait_whole(300)
         yield mesh
     finally:

@@ -18,8 +18,6 @@ import openai
 import pytest
 import torch
 
-from meshnet.models.loader import load_tokenizer
-from meshnet.models.source import ModelSource
 from meshnet.terminal import GenerateOptions, run_chat
 from tests.e2e.mesh import Mesh
 from tests.e2e.procs import wait_for
@@ -30,8 +28,8 @@ STORY = "Write a short story about a robot who learns to paint."
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_source: ModelSource) -> Any:
-    return load_tokenizer(default_source)
+def tokenizer(smollm_tokenizer: Any) -> Any:
+    return smollm_tokenizer
 
 
 def reference(model: Any, tokenizer: Any, ids: list[int]) -> str:

@@ -86,9 +86,15 @@ def smollm_reference() -> Any:
 
 
 @pytest.fixture(scope="session")
-def english_ids(default_source: ModelSource) -> torch.Tensor:
+def smollm_tokenizer(default_source: ModelSource) -> Any:
+    """The default model's tokenizer (loading it takes ~6 s: once per session)."""
     from meshnet.models.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(default_source)
+    return load_tokenizer(default_source)
+
+
+@pytest.fixture(scope="session")
+def english_ids(smollm_tokenizer: Any) -> torch.Tensor:
+    tokenizer = smollm_tokenizer
     ids = tokenizer((DATA / "english.txt").read_text(), return_tensors="pt")["input_ids"]
     return ids

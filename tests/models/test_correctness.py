@@ -97,11 +97,9 @@ def test_smollm2_bf16_shards_equal_the_whole_bf16_model(
 
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_are_identical(
-    default_source: ModelSource, smollm_reference: Any
+    default_source: ModelSource, smollm_reference: Any, smollm_tokenizer: Any
 ) -> None:
-    from meshnet.models.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(default_source)
+    tokenizer = smollm_tokenizer
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from meshnet.models.loader import load_head, load_shard, load_tokenizer
+from meshnet.models.loader import load_head, load_shard
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
@@ -41,7 +41,11 @@ def test_quantized_gpt2_shards_stay_close(quant: str, tiny_folder: Callable[[str
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
 def test_quantized_smollm2_is_close_and_answers(
-    quant: str, default_source: ModelSource, smollm_reference: Any, english_ids: torch.Tensor
+    quant: str,
+    default_source: ModelSource,
+    smollm_reference: Any,
+    english_ids: torch.Tensor,
+    smollm_tokenizer: Any,
 ) -> None:
     shards = [load_shard(default_source, s, quant) for s in LayerSpan(0, 30).split(3)]
     head = load_head(default_source)
@@ -51,7 +55,7 @@ def test_quantized_smollm2_is_close_and_answers(
     error = relative_error(mesh, ref)
     print(f"{quant} relative logit error {error:.4f}")
     assert error < BOUNDS[quant], f"{quant} relative logit error {error:.4f}"
-    tokenizer = load_tokenizer(default_source)
+    tokenizer = smollm_tokenizer
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
