@@ -6,8 +6,10 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 from meshnet.errors import ModelError
 from meshnet.models.checkpoint import SafetensorsCheckpoint
 from meshnet.models.loader import load_head, load_shard
-from meshnet.models.source import resolve
+from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
 
 # VmHWM is this process's own peak RSS; ru_maxrss would carry over the parent's peak on exec.
@@ -142,3 +144,20 @@ def test_hub_id_resolves_offline_from_a_prepared_cache(
 def test_head_ties_the_lm_head_to_the_embeddings(default_source: object) -> None:
     head = load_head(default_source)  # type: ignore[arg-type]
     assert head.lm_head.weight.data_ptr() == head.embed.weight.data_ptr()
+
+
+def test_gguf_tokenizer_is_cached_and_loads_the_same(
+    default_source: ModelSource, smollm_tokenizer: Any
+) -> None:
+    from meshnet.models.loader import load_tokenizer
+
+    started = time.perf_counter()
+    again = load_tokenizer(default_source)  # the session fixture built and saved it
+    assert time.perf_counter() - started < 3.0  # building from the GGUF vocabulary takes ~10 s
+    messages = [{"role": "user", "content": "Héllo, wörld: 1 + 2?"}]
+    [ids, expected] = [
+        t.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        for t in (again, smollm_tokenizer)
+    ]
+    assert ids["input_ids"] == expected["input_ids"]
+    assert again.eos_token_id == smollm_tokenizer.eos_token_id == 2
