@@ -167,7 +167,15 @@ def report(final: dict[str, Any]) -> None:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(max_tokens: int = 32) -> int:
+    # Ctrl-C and SIGTERM both stop the mesh, even where a parent started us with SIGINT
+    # ignored (background jobs of a non-interactive shell are).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     print("meshnet demo: the default model split across 3 processes on this machine", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="meshnet-demo-"))
     children: list[Child] = []

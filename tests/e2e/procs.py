@@ -22,9 +22,9 @@ def free_port() -> int:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`meshnet ARGS` as a child process, output to `log`."""
+    """`meshnet ARGS` as a child process, output appended to `log` (restarts keep history)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:  # the child keeps its own descriptor
+    with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", *args],
             stdout=out,

@@ -88,7 +88,7 @@ def test_smollm2_bf16_shards_equal_the_whole_bf16_model(
         str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
     ).eval()
     mesh, ref = compare(
-        chain_for(default_source, "bf16"), reference, english_ids[:, :300], chunk_tokens=128
+        chain_for(default_source, "bf16"), reference, english_ids[:, :140], chunk_tokens=128
     )
     # In bf16 the whole model's residual stream is bf16 too, so the boundaries add no rounding;
     # with the same 128-token chunks the same kernels run on the same numbers.
