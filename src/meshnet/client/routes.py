@@ -104,7 +104,7 @@ class RegistryRoutes:
         exclude: frozenset[NodeId] = frozenset(),
     ) -> list[Hop]:
         self.registry.expire()
-        return hops_of(views.route(self.registry, model, start, self.rng, end, frozenset(exclude)))
+        return hops_of(views.route(self.registry, model, start, self.rng, end, exclude))
 
     async def report(self, node: NodeId, reason: str) -> None:
         self.registry.report(node, reason)

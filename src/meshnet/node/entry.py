@@ -27,7 +27,7 @@ from meshnet.api.app import create_app as create_api_app
 from meshnet.client.codec import HfCodec
 from meshnet.client.generation import Generator
 from meshnet.client.pipeline import Pipeline
-from meshnet.client.routes import RegistryRoutes, RouteSource, TrackerRoutes
+from meshnet.client.routes import RegistryRoutes, RouteSource, StaticRoutes, TrackerRoutes
 from meshnet.client.transport import HttpTransport
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig, WireConfig, WireLimits
 from meshnet.errors import ModelError
@@ -171,7 +171,7 @@ def build_entry_app(config: NodeConfig, entry: EntryConfig = EntryConfig()) -> F
     if config.tracker_url is None:
         if span.end < model.num_layers:
             raise ModelError(f"without --tracker an entry node must serve all layers, not {span}")
-        routes: RouteSource = TrackerRoutes(httpx.AsyncClient())  # never asked: no hops
+        routes: RouteSource = StaticRoutes([])  # it holds every layer: there are no hops
     else:
         tracker = httpx.AsyncClient(base_url=config.tracker_url, timeout=entry.route_timeout_s)
         routes = TrackerRoutes(tracker)
