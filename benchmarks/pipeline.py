@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import secrets
 import signal
 import socket
 import statistics
@@ -95,11 +97,13 @@ def mesh(hops: int, logs: Path, meanwhile: Callable[[], None]) -> Iterator[str]:
         commands.append(["node", "--tracker", url, "--port", str(free_port())])
         commands[-1] += ["--budget", str(budget), "--data-dir", str(logs / f"n{hops}-{i}")]
     commands[0] += ["--data-dir", str(logs / f"t{hops}")]
+    key = secrets.token_hex(32)  # members sign every call, as in a real mesh
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", *c, "--quant", "fp32"],
             stdout=(logs / f"{hops}-{i}.log").open("wb"),
             stderr=subprocess.STDOUT,
+            env={**os.environ, "MESHNET_SWARM_KEY": key},
         )
         for i, c in enumerate(commands)
     ]

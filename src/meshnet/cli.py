@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import socket
 import sys
 from collections.abc import Sequence
 
 from meshnet import __version__
-from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
+from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
 from meshnet.errors import MeshError
+from meshnet.security.keys import join_command, resolve_api_keys, resolve_swarm_key
 from meshnet.terminal import GenerateOptions, run_chat, run_generate
 
 
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also hold the head and serve the OpenAI-compatible API (needs --layers 0:K)",
     )
+    add_node_limit_flags(node)
+    add_access_flags(node)
     tracker = sub.add_parser(
         "tracker", help="run the control plane (with --layers or --budget: also an entry node)"
     )
@@ -78,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tracker.add_argument("--quant", choices=["fp32", "bf16", "int8", "nf4"])
     tracker.add_argument("--data-dir", help="where its node id is kept (default ~/.meshnet)")
+    add_node_limit_flags(tracker)
+    add_access_flags(tracker)
     for name, text in (("generate", "stream one answer to stdout"), ("chat", "chat in a loop")):
         client = sub.add_parser(name, help=text)
         add_client_flags(client)
@@ -85,6 +92,55 @@ def build_parser() -> argparse.ArgumentParser:
             client.add_argument("prompt", help="the prompt (a user message unless --raw)")
             client.add_argument("--raw", action="store_true", help="complete the prompt as text")
     return parser
+
+
+def add_access_flags(parser: argparse.ArgumentParser) -> None:
+    """Membership (swarm key), client API keys and the API's per-client limits."""
+    group = parser.add_argument_group("access")
+    group.add_argument(
+        "--swarm-key",
+        help="the mesh's shared secret (default: $MESHNET_SWARM_KEY, or the key file)",
+    )
+    group.add_argument(
+        "--swarm-key-file",
+        help="the key file (default ~/.meshnet/swarm.key; a tracker creates it on first start)",
+    )
+    group.add_argument(
+        "--api-key", action="append", dest="api_keys", help="a client API key (repeatable)"
+    )
+    group.add_argument("--api-keys-file", help="client API keys, one per line")
+    group.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="with no API key configured, serve the API to non-loopback clients too",
+    )
+    limits = parser.add_argument_group("API limits (per client)")
+    default = ApiLimits()
+    limits.add_argument("--max-body", type=parse_bytes, default=default.max_body_bytes)
+    limits.add_argument("--max-prompt-tokens", type=int, default=default.max_prompt_tokens)
+    limits.add_argument("--max-tokens-limit", type=int, default=default.max_tokens)
+    limits.add_argument("--max-concurrent", type=int, default=default.max_concurrent_per_client)
+    limits.add_argument(
+        "--rate-limit",
+        type=float,
+        default=default.requests_per_minute,
+        help="requests per minute per client (0 = none)",
+    )
+
+
+def add_node_limit_flags(parser: argparse.ArgumentParser) -> None:
+    default = NodeConfig()
+    group = parser.add_argument_group("node limits")
+    group.add_argument("--max-sessions", type=int, default=default.max_sessions)
+    group.add_argument(
+        "--max-kv-cache",
+        type=parse_bytes,
+        default=default.max_cache_bytes,
+        help="KV-cache memory for all sessions of a shard",
+    )
+    group.add_argument(
+        "--session-ttl", type=float, default=default.session_ttl_s, help="idle seconds"
+    )
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +156,11 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     parser.add_argument("--seed", type=int, help="reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MESHNET_API_KEY"),
+        help="the API key to send (default: $MESHNET_API_KEY)",
+    )
 
 
 _UNITS = {
@@ -140,14 +201,48 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         budget_bytes=args.budget,
         data_dir=args.data_dir,
         entry=args.entry,
+        max_sessions=args.max_sessions,
+        max_cache_bytes=args.max_kv_cache,
+        session_ttl_s=args.session_ttl,
     )
 
 
 def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
     """The tracker's own entry-node part (host, port and model come from the tracker)."""
     return NodeConfig(
-        layers=args.layers, quant=args.quant, budget_bytes=args.budget, data_dir=args.data_dir
+        layers=args.layers,
+        quant=args.quant,
+        budget_bytes=args.budget,
+        data_dir=args.data_dir,
+        max_sessions=args.max_sessions,
+        max_cache_bytes=args.max_kv_cache,
+        session_ttl_s=args.session_ttl,
     )
+
+
+def access_config(args: argparse.Namespace, create_key: bool) -> tuple[AccessConfig, str]:
+    """The access settings, and where the swarm key came from (in words)."""
+    key, origin = resolve_swarm_key(args.swarm_key, args.swarm_key_file, create=create_key)
+    keys = resolve_api_keys(args.api_keys, args.api_keys_file)
+    return AccessConfig(key, keys, args.allow_unauthenticated), origin
+
+
+def api_limits(args: argparse.Namespace) -> ApiLimits:
+    return ApiLimits(
+        max_body_bytes=args.max_body,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens_limit,
+        max_concurrent_per_client=args.max_concurrent,
+        requests_per_minute=args.rate_limit,
+    )
+
+
+def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
+    """Print how a node joins this tracker (the key travels in the environment, not argv)."""
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+    command = join_command(f"http://{host}:{args.port}", key)
+    print(f"meshnet tracker: swarm key {origin}", flush=True)
+    print(f"meshnet tracker: join this mesh with:\n  {command}", flush=True)
 
 
 def generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -160,6 +255,7 @@ def generate_options(args: argparse.Namespace) -> GenerateOptions:
         seed=args.seed,
         stop=tuple(args.stop),
         raw=getattr(args, "raw", False),
+        api_key=args.api_key,
     )
 
 
@@ -199,24 +295,34 @@ def run_command(args: argparse.Namespace) -> int:
         return run_generate(args.tracker, args.prompt, generate_options(args))
     if args.command == "chat":
         return run_chat(args.tracker, generate_options(args))
-    if args.command == "node" and args.entry:
-        from meshnet.node.entry import serve_entry
-
-        serve_entry(node_config(args), EntryConfig())
-        return 0
     if args.command == "node":
-        from meshnet.node.serve import serve
-
-        serve(node_config(args))
-        return 0
+        return run_node(args)
+    access, origin = access_config(args, create_key=True)
+    announce_tracker(args, access.swarm_key or "", origin)
+    if not access.api_keys and not access.allow_unauthenticated:
+        logging.getLogger(__name__).info("no API keys: the API answers loopback clients only")
     if args.layers is None and args.budget is None:
         from meshnet.tracker.serve import serve as serve_tracker
 
-        serve_tracker(tracker_config(args))
+        serve_tracker(tracker_config(args), access)
         return 0
     from meshnet.node.entry import serve_tracker_node
 
-    serve_tracker_node(tracker_config(args), tracker_node_config(args), EntryConfig())
+    config = tracker_node_config(args)
+    serve_tracker_node(tracker_config(args), config, EntryConfig(), access, api_limits(args))
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    access, _ = access_config(args, create_key=args.tracker is None)
+    if args.entry:
+        from meshnet.node.entry import serve_entry
+
+        serve_entry(node_config(args), EntryConfig(), access, api_limits(args))
+        return 0
+    from meshnet.node.serve import serve
+
+    serve(node_config(args), access)
     return 0
 
 

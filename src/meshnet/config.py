@@ -37,7 +37,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this
-    max_cache_bytes: int = 1 * GiB  # all sessions' KV caches together; LRU eviction above
+    max_cache_bytes: int = 1 * GiB  # all sessions' KV caches together, per shard
+    evict_idle_s: float = 10.0  # to make room, sessions idle this long may go; else 429
+    max_sessions: int = 64  # sessions in flight on this node; a new one over it gets 429
     tracker_url: str | None = None  # join this tracker and serve what it assigns
     public_address: str | None = None  # the address peers use, when not http://host:port
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
@@ -81,3 +83,25 @@ class TrackerConfig:
     heartbeat_interval_s: float = 2.0  # nodes heartbeat this often
     dead_after_s: float = 6.0  # a node silent this long is dead; its spans leave the map
     route_seed: int | None = None  # fixes replica choice in tests; None = random
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Who may call a process (ADR-0017, ADR-0018)."""
+
+    swarm_key: str | None = None  # members' shared secret; None = member calls unchecked (tests)
+    api_keys: tuple[str, ...] = ()  # client keys for the OpenAI-compatible API
+    allow_unauthenticated: bool = False  # no API keys: serve non-loopback clients anyway
+    max_clock_skew_s: float = 30.0  # a signed call's timestamp may be this far off our clock
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """What one client may ask of an entry node; each refusal is a 4xx naming the limit."""
+
+    max_body_bytes: int = 4 * MiB  # a JSON request body
+    max_prompt_tokens: int = 8192  # after the chat template; the model's context also applies
+    max_tokens: int = 4096  # `max_tokens` / `max_completion_tokens`
+    max_concurrent_per_client: int = 8  # generations in flight per API key (or loopback IP)
+    requests_per_minute: float = 600.0  # sustained rate per client; 0 = unlimited
+    burst_requests: int = 60  # requests a quiet client may send at once

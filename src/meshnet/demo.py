@@ -27,6 +27,7 @@ import httpx
 
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import resolve
+from meshnet.security.keys import create_key_file
 from meshnet.terminal import ApiError, events
 
 QUESTION = "What is the capital of France?"
@@ -81,17 +82,21 @@ def launch(workdir: Path) -> tuple[str, list[Child]]:
     budget = math.floor((ENTRY_LAYERS + 0.5) * layer_bytes(spec, "fp32") / (1 - KV_RESERVE))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    key_file = workdir / "swarm.key"
+    create_key_file(key_file)  # every member call is signed with it (ADR-0017)
+    print(f"swarm key: {key_file} (mode 0600); only processes holding it can join", flush=True)
+    keyed = ["--swarm-key-file", str(key_file)]
     children = [
         start(
             "tracker",
             ["tracker", "--port", str(port), "--layers", f"0:{ENTRY_LAYERS}", "--quant", "fp32"]
-            + ["--data-dir", str(workdir / "tracker")],
+            + ["--data-dir", str(workdir / "tracker"), *keyed],
             workdir,
         )
     ]
     for name in ("node-a", "node-b"):
         args = ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
-        args += ["--quant", "fp32", "--data-dir", str(workdir / name)]
+        args += ["--quant", "fp32", "--data-dir", str(workdir / name), *keyed]
         children.append(start(name, args, workdir))
     return url, children
 

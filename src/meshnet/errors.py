@@ -12,8 +12,11 @@
     │   └── MissingLayersError      some layers of a model have no node (503)
     ├── HopError                    a hop of a route failed or refused a frame (502)
     ├── UnavailableError            a draining node refuses new sessions (503)
-    └── RequestError                a client request the API cannot take (400)
-        └── UnknownModelError       the request names a model this entry does not serve (404)
+    ├── RequestError                a client request the API cannot take (400)
+    │   └── UnknownModelError       the request names a model this entry does not serve (404)
+    ├── AuthError                   no valid swarm-key proof or API key (401)
+    ├── LimitError                  a configured limit refuses the call for now (429)
+    └── ConfigError                 a configuration meshnet refuses to start with
 
 Apps turn a `MeshError` into a JSON body with `http_status`; that mapping lives here and
 nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "param",
@@ -51,6 +54,10 @@ class MeshError(Exception):
     def code(self) -> str | None:
         """A short machine-readable code (OpenAI's `code`), when the class has one."""
         return None
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries besides the body (e.g. `Retry-After`)."""
+        return {}
 
 
 class WireError(MeshError):
@@ -102,6 +109,11 @@ class HopError(MeshError):
         super().__init__(message)
         self.status = status  # the hop's HTTP status; None when it never answered
         self.hop = hop  # the `client.transport.Hop` that failed, when known
+        if status == 429:  # a hop at its limits: the client should retry later, as with ours
+            self.http_status = 429
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"} if self.status == 429 else {}
 
     @property
     def retryable(self) -> bool:
@@ -129,3 +141,40 @@ class UnknownModelError(RequestError):
     @property
     def code(self) -> str | None:
         return "model_not_found"
+
+
+class AuthError(MeshError):
+    """The caller did not prove it may make this call; nothing was done."""
+
+    http_status = 401
+
+    @property
+    def code(self) -> str | None:
+        return "invalid_api_key" if self.field == "Authorization" else "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        scheme = "Bearer" if self.field == "Authorization" else "Meshnet-Swarm"
+        return {"WWW-Authenticate": scheme}
+
+
+class LimitError(MeshError):
+    """A configured limit (sessions, KV memory, rate, concurrency) refuses the call for now."""
+
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def code(self) -> str | None:
+        return "rate_limit_exceeded"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+class ConfigError(MeshError):
+    """A configuration meshnet refuses to start with (bad key file, missing key...)."""
+
+    http_status = 400

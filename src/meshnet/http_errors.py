@@ -25,7 +25,7 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 def error_response(exc: MeshError) -> JSONResponse:
     """The JSON error body with the status the error class declares."""
-    return JSONResponse(exc.to_json(), status_code=exc.http_status)
+    return JSONResponse(exc.to_json(), status_code=exc.http_status, headers=exc.headers())
 
 
 async def _mesh_error(_: Request, exc: Exception) -> Response:

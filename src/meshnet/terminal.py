@@ -30,6 +30,12 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     raw: bool = False  # a plain completion of the prompt, without the chat template
     timeout_s: float = 300.0
+    api_key: str | None = None  # sent as `Authorization: Bearer`
+
+
+def api_client(url: str, options: GenerateOptions) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    return httpx.Client(base_url=url, timeout=options.timeout_s, headers=headers)
 
 
 def first_model(client: httpx.Client) -> str:
@@ -84,7 +90,7 @@ def run_generate(url: str, prompt: str, options: GenerateOptions, out: TextIO = 
     body: dict[str, Any] = (
         {"prompt": prompt} if options.raw else {"messages": [{"role": "user", "content": prompt}]}
     )
-    with httpx.Client(base_url=url, timeout=options.timeout_s) as client:
+    with api_client(url, options) as client:
         try:
             for piece in stream(client, options, body):
                 out.write(piece)
@@ -102,7 +108,7 @@ def run_chat(
     """Read a line, stream the answer, repeat; the whole conversation goes with each turn."""
     messages: list[dict[str, str]] = []
     print("meshnet chat: an empty line or Ctrl-D ends it", file=out)
-    with httpx.Client(base_url=url, timeout=options.timeout_s) as client:
+    with api_client(url, options) as client:
         while True:
             try:
                 line = ask("> ").strip()

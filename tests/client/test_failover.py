@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import pytest
+import torch
+import uvicorn
 
 from meshnet.client.generation import Delta, GenerationParams
 from meshnet.client.routes import StaticRoutes, TrackerRoutes
 from meshnet.client.sampling import SamplingParams
+from meshnet.client.transport import Hop, HttpTransport
 from meshnet.errors import HopError, MissingLayersError, RouteError
+from meshnet.node.app import create_app as create_node_app
+from meshnet.node.runner import EchoRunner
+from meshnet.types import LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
 from tests.client.fakes import fake_mesh
 from tests.client.test_generation import collect
@@ -127,3 +134,64 @@ def test_tracker_outage_keeps_open_sessions_going_and_routes_come_back() -> None
 
     during, after = run(go())
     assert during == after == "bcdefghijklmnopqrstu"
+
+
+class Poisoned:
+    """A faulty node: runs like its echo runner, but from `position` on it answers NaN/Inf."""
+
+    def __init__(self, runner: object, position: int, value: float) -> None:
+        self.runner = runner
+        self.position = position
+        self.value = value
+        self.model, self.span = runner.model, runner.span  # type: ignore[attr-defined]
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.runner.forward(meta, hidden)  # type: ignore[attr-defined]
+        return out if meta.position < self.position else out.fill_(self.value)
+
+    def drop(self, session: str) -> bool:
+        return bool(self.runner.drop(session))  # type: ignore[attr-defined]
+
+    def session_count(self) -> int:
+        return int(self.runner.session_count())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("position", "value"), [(55, float("nan")), (16, float("inf"))])
+def test_non_finite_activations_are_that_hops_failure(position: int, value: float) -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    transport.runners = {**runners, "a": Poisoned(runners["a"], position, value)}  # type: ignore[dict-item]
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free()  # nothing of the garbage reached the user
+    assert len(end.failover_pauses_s) == 1
+    assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
+
+
+def test_a_real_http_hop_answering_nan_fails_as_retryable() -> None:
+    """Over the real transport: the entry refuses the frame and blames the hop that sent it."""
+    runner = Poisoned(EchoRunner(ModelId("m"), LayerSpan(2, 4)), 0, float("nan"))
+    app = create_node_app(runner)  # type: ignore[arg-type]
+
+    async def scenario() -> HopError:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        transport = HttpTransport()
+        hop = Hop(NodeId("bad"), f"http://127.0.0.1:{port}", LayerSpan(2, 4))
+        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+        try:
+            with pytest.raises(HopError) as failed:
+                await transport.forward(hop, meta, torch.ones(1, 3, 8))
+            return failed.value
+        finally:
+            await transport.aclose()
+            server.should_exit = True
+            await task
+
+    error = run(scenario())
+    assert error.retryable and error.hop is not None and error.hop.node_id == "bad"
+    assert "NaN or Inf" in error.message

@@ -4,12 +4,17 @@ A tracker-as-entry-node (layers 0:10, fp32) and four nodes of ten fp32 layers ea
 planner covers 10:20 and 20:30 first, then adds replicas (the span with the fewest copies
 first), so every span has two copies.
 Every route is three hops, `0:10 -> 10:20 -> 20:30`. Besides, a second entry point started
-with `meshnet node --entry`. Tests that kill nodes restart them and wait for the copies to
-come back, so later tests find the mesh whole.
+with `meshnet node --entry`, whose API needs an API key. Tests that kill nodes restart them
+and wait for the copies to come back, so later tests find the mesh whole.
+
+Membership as a user sets it up: the tracker starts with no key, creates its key file and
+prints the join command; every node is started with the environment that command names.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,8 @@ from tests.e2e.procs import free_port, get_json, start, stop, wait_for
 BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NODES = ("a", "b", "c", "d")
 COPIES = 2  # at least, of each span after the entry's
+API_KEY = "e2e-client-key-0001"  # the `node --entry` process's API key
+JOIN = re.compile(r"^\s*(MESHNET_SWARM_KEY)=(\S+) meshnet node --tracker (\S+)$", re.M)
 
 
 class Mesh:
@@ -34,24 +41,37 @@ class Mesh:
         self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}  # the six plain nodes
         self.entry = ""  # the `node --entry` process's URL
+        self.key_file = folder / "swarm.key"
+        self.env = {k: v for k, v in os.environ.items() if k != "MESHNET_SWARM_KEY"}
 
     def launch(self, name: str, args: list[str]) -> None:
         self.args[name] = args
-        self.procs[name] = start(args, self.folder / f"{name}.log")
+        self.procs[name] = start(args, self.folder / f"{name}.log", self.env)
 
     def start_all(self) -> None:
         self.launch(
             "tracker",
             ["tracker", "--port", str(self.port), "--layers", "0:10", "--quant", "fp32"]
-            + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")],
+            + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")]
+            + ["--swarm-key-file", str(self.key_file)],
         )
+        self.env["MESHNET_SWARM_KEY"] = self.join_key()
         for name in NODES:
             port = free_port()
             self.addresses[name] = f"http://127.0.0.1:{port}"
             self.launch(name, self.node_args(port, name) + ["--budget", BUDGET])
         port = free_port()
         self.entry = f"http://127.0.0.1:{port}"
-        self.launch("entry", self.node_args(port, "entry") + ["--entry", "--layers", "0:10"])
+        entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY]
+        self.launch("entry", self.node_args(port, "entry") + entry)
+
+    def join_key(self) -> str:
+        """The swarm key from the join command the tracker printed (checked against its URL)."""
+        log = self.folder / "tracker.log"
+        wait_for(lambda: JOIN.search(log.read_text()) is not None, 60, "the join command")
+        match = JOIN.search(log.read_text())
+        assert match is not None and match.group(3) == self.url
+        return match.group(2)
 
     def node_args(self, port: int, name: str) -> list[str]:
         return ["node", "--tracker", self.url, "--port", str(port), "--quant", "fp32"] + [

@@ -21,9 +21,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`meshnet ARGS` as a child process, output appended to `log` (restarts keep history)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`meshnet ARGS` as a child process, output appended to `log` (restarts keep history).
+
+    `env` replaces the environment (`PYTHONUNBUFFERED` is always set).
+    """
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", *args],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from meshnet.terminal import GenerateOptions, run_chat
-from tests.e2e.mesh import Mesh
+from tests.e2e.mesh import API_KEY, Mesh
 from tests.e2e.procs import wait_for
 
 pytestmark = pytest.mark.slow
@@ -158,12 +158,16 @@ def test_chat_loop_keeps_the_conversation(mesh: Mesh) -> None:
 
 
 def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: Mesh) -> None:
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "temperature": 0,
-    }
-    answer = httpx.post(f"{mesh.entry}/v1/chat/completions", json=body, timeout=120).json()
+    """Its API has a key: the real `openai` client is refused without it, served with it."""
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    stranger = openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key="wrong-key-123", timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model="default", messages=messages)
+    client = openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key=API_KEY, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model="default", messages=messages, temperature=0
+    )
+    answer = raw.http_response.json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
     route = answer["meshnet"]["route"]
     assert [h["span"] for h in route] == ["0:10", "10:20", "20:30"]

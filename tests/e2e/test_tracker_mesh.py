@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from meshnet.security.signing import Signer
 from tests.e2e.procs import free_port, get_json, start, stop, wait_for
 
 HEARTBEAT_S, DEAD_AFTER_S = 0.5, 2.0
 # fp32 layers of the default model are 14,160,384 bytes; with the 10% KV reserve, 165 MB
 # holds exactly 10 of them, so three nodes must split the 30 layers three ways.
 BUDGET = "165MB"
+KEY = "tracker-mesh-test-swarm-key"
+ENV = {**os.environ, "MESHNET_SWARM_KEY": KEY}
 
 
 def spans(coverage: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
@@ -46,7 +51,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         str(DEAD_AFTER_S),
     ]
     procs: dict[str, subprocess.Popen[bytes]] = {
-        "tracker": start(tracker_args, tmp_path / "tracker.log")
+        "tracker": start(tracker_args, tmp_path / "tracker.log", ENV)
     }
 
     def add_node(name: str, budget: str = BUDGET) -> None:
@@ -65,6 +70,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 str(tmp_path / name),
             ],
             tmp_path / f"{name}.log",
+            ENV,
         )
 
     state = {
@@ -90,7 +96,8 @@ def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str
     wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 120, "full coverage")
     coverage = get_json(f"{url}/v1/coverage")
     assert sorted(s for v in spans(coverage).values() for s in v) == [(0, 10), (10, 20), (20, 30)]
-    route = get_json(f"{url}/v1/route?model=default")
+    assert httpx.get(f"{url}/v1/route?model=default").status_code == 401  # members only
+    route = httpx.get(f"{url}/v1/route?model=default", auth=Signer(KEY).auth()).json()
     assert [(h["span"]["start"], h["span"]["end"]) for h in route["hops"]] == [
         (0, 10),
         (10, 20),
@@ -139,7 +146,7 @@ def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str
     # Restart the tracker: the nodes register again by themselves with what they hold.
     procs["tracker"].send_signal(signal.SIGKILL)
     procs["tracker"].wait()
-    procs["tracker"] = start(cluster["tracker_args"], cluster["logs"] / "tracker2.log")
+    procs["tracker"] = start(cluster["tracker_args"], cluster["logs"] / "tracker2.log", ENV)
     wait_for(
         lambda: model(get_json(f"{url}/v1/coverage"))["routable"],
         60,

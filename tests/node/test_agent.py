@@ -13,6 +13,7 @@ from meshnet.node.runner import EchoRunner, ShardRunner
 from meshnet.tracker import messages as msg
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.probe import TrustingProber
 from meshnet.tracker.registry import Registry
 from meshnet.types import LayerSpan, ModelId
 from tests.conftest import run
@@ -23,7 +24,7 @@ MB = 1 << 20
 def tracker() -> tuple[Registry, httpx.AsyncClient]:
     offers = [ModelOffer(ModelId("m"), 8, {"fp32": 10 * MB})]
     registry = Registry(offers, {ModelId("m"): "m-source"}, dead_after_s=60, clock=lambda: 0.0)
-    app = create_app(registry, TrackerConfig())
+    app = create_app(registry, TrackerConfig(), prober=TrustingProber())
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     return registry, client
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import zstandard
 
-from meshnet.config import WireLimits
-from meshnet.node.app import create_app
+from meshnet.config import WireConfig, WireLimits
+from meshnet.node.app import NodeService, create_app
 from meshnet.node.runner import EchoRunner
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
@@ -133,3 +133,30 @@ def test_prefill_runs_off_the_event_loop_so_health_still_answers() -> None:
 
     health_s, forward_s = run(scenario())
     assert health_s < 0.4 < forward_s  # health answered while the 0.5 s chunk was running
+
+
+def test_non_finite_activations_are_refused_before_any_cache() -> None:
+    runner = EchoRunner(ModelId("default"), SPAN)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(1, 4, 16)
+        x[0, 2, 5] = value
+        frame = encode(x, META)
+        response = run(post(create_app(runner), frame.headers, bytes(frame.body)))
+        assert response.status_code == 400 and response.json()["error"]["field"] == "body"
+    assert runner.session_count() == 0
+
+
+def test_new_sessions_over_the_node_limit_get_429_and_old_ones_go_on() -> None:
+    runner = EchoRunner(ModelId("default"), SPAN)
+    service = NodeService([runner], WireLimits(), WireConfig(), max_sessions=2)
+    app = create_app(service=service)
+    for sid in ("s1", "s2"):
+        frame = encode(torch.randn(1, 4, 16), FrameMeta(SessionId(sid), META.model, SPAN, 0))
+        assert run(post(app, frame.headers, bytes(frame.body))).status_code == 200
+    third = encode(torch.randn(1, 4, 16), FrameMeta(SessionId("s3"), META.model, SPAN, 0))
+    refused = run(post(app, third.headers, bytes(third.body)))
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    step = encode(torch.randn(1, 1, 16), FrameMeta(SessionId("s1"), META.model, SPAN, 4))
+    assert run(post(app, step.headers, bytes(step.body))).status_code == 200
+    assert runner.session_count() == 2 and service.refused_sessions == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,9 +13,12 @@ import httpx
 import pytest
 import torch
 
+from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
 from meshnet.wire import headers as h
+
+KEY = "node-process-test-key"
 
 
 def free_port() -> int:
@@ -40,7 +44,8 @@ def node_url() -> Iterator[str]:
             "fp32",
             "--port",
             str(port),
-        ]
+        ],
+        env={**os.environ, "MESHNET_SWARM_KEY": KEY},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -64,8 +69,11 @@ def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
     assert health["span"] == "10:20" and health["model"] == "default"
     x = torch.randn(1, 130, 576)
     meta = FrameMeta(SessionId("e2e"), ModelId("default"), LayerSpan(10, 20), 0)
-    with httpx.Client(base_url=node_url) as client:
-        frame = encode(x, meta)
+    frame = encode(x, meta)
+    unsigned = httpx.post(f"{node_url}/forward", headers=frame.headers, content=bytes(frame.body))
+    assert unsigned.status_code == 401 and unsigned.json()["error"]["field"] == "X-Meshnet-Auth"
+    assert httpx.get(f"{node_url}/health").json()["sessions"] == 0  # refused: nothing changed
+    with httpx.Client(base_url=node_url, auth=Signer(KEY).auth()) as client:
         response = client.post("/forward", headers=frame.headers, content=bytes(frame.body))
         assert response.status_code == 200
         out_meta, out = decode(response.headers, response.content)

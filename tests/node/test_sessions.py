@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshnet.errors import SessionError, SessionNotFoundError
+from meshnet.errors import LimitError, SessionError, SessionNotFoundError, WireError
 from meshnet.models.loader import load_shard
 from meshnet.models.source import resolve
-from meshnet.node.sessions import SessionStore, expired, over_budget
+from meshnet.node.sessions import SessionStore, expired, make_room, over_budget
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta
@@ -82,19 +82,55 @@ def test_gap_and_overlap_are_refused_and_change_nothing(
 
 
 def test_failed_forward_rolls_the_cache_back(
-    runner_factory: Callable[..., TorchShardRunner],
+    runner_factory: Callable[..., TorchShardRunner], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = runner_factory()
     runner.forward(meta("s", 0), torch.randn(1, 4, 64))
+    real = runner.shard.forward
+
+    def grows_then_fails(hidden: torch.Tensor, cache: object, position: int) -> torch.Tensor:
+        real(hidden, cache, position)  # the cache grows...
+        raise RuntimeError("a kernel failed")  # ...then the call fails
+
+    monkeypatch.setattr(runner.shard, "forward", grows_then_fails)
     with pytest.raises(RuntimeError):
-        runner.forward(meta("s", 4), torch.randn(1, 2, 63))  # wrong hidden size fails inside
+        runner.forward(meta("s", 4), torch.randn(1, 2, 64))
+    monkeypatch.undo()
     from meshnet.models.cache import cache_length
 
     assert cache_length(runner.sessions._sessions[SessionId("s")].cache) == 4
     runner.forward(meta("s", 4), torch.randn(1, 1, 64))
 
 
-def test_idle_sessions_expire_and_the_cap_evicts(
+@pytest.mark.parametrize(
+    ("shape", "position", "field"),
+    [((1, 2, 63), 4, "X-Meshnet-Shape"), ((2, 1, 64), 4, "X-Meshnet-Shape")],
+)
+def test_frames_the_shard_cannot_run_are_refused_before_it_runs(
+    runner_factory: Callable[..., TorchShardRunner],
+    shape: tuple[int, int, int],
+    position: int,
+    field: str,
+) -> None:
+    runner = runner_factory()
+    runner.forward(meta("s", 0), torch.randn(1, 4, 64))
+    with pytest.raises(WireError) as refused:
+        runner.forward(meta("s", position), torch.randn(*shape))
+    assert refused.value.field == field
+    assert runner.sessions._sessions[SessionId("s")].length == 4
+
+
+def test_positions_past_the_context_are_refused(
+    runner_factory: Callable[..., TorchShardRunner],
+) -> None:
+    runner = runner_factory()
+    context = int(runner.shard.config.max_position_embeddings)
+    with pytest.raises(WireError) as refused:
+        runner.forward(meta("s", 0), torch.randn(1, context + 1, 64))
+    assert refused.value.field == "X-Meshnet-Position" and runner.session_count() == 0
+
+
+def test_the_cap_evicts_idle_sessions_refuses_otherwise_and_idle_ones_expire(
     runner_factory: Callable[..., TorchShardRunner],
 ) -> None:
     clock = [0.0]
@@ -102,17 +138,39 @@ def test_idle_sessions_expire_and_the_cap_evicts(
     runner.sessions = SessionStore(
         runner.sessions.new_cache,
         runner.sessions.measure,
-        ttl_s=10.0,
+        ttl_s=100.0,
         max_bytes=3000,
+        evict_idle_s=10.0,
         clock=lambda: clock[0],
     )
     runner.forward(meta("a", 0), torch.randn(1, 3, 64))  # 2 layers x 2 x 2 heads x 16 x 4 B x 3
     clock[0] = 5.0
-    runner.forward(meta("b", 0), torch.randn(1, 3, 64))
-    assert runner.session_count() == 1  # 1536 B each: "a" evicted to fit 3000 B
+    with pytest.raises(LimitError):  # 1536 B each: "b" does not fit, and "a" is in use
+        runner.forward(meta("b", 0), torch.randn(1, 3, 64))
+    assert runner.session_count() == 1 and runner.sessions.refused == 1
+    runner.forward(meta("a", 3), torch.randn(1, 1, 64))  # "a" was untouched
+    clock[0] = 20.0
+    runner.forward(meta("b", 0), torch.randn(1, 3, 64))  # "a" idle 15 s: evicted for room
+    assert runner.session_count() == 1
     with pytest.raises(SessionNotFoundError):
-        runner.forward(meta("a", 3), torch.randn(1, 1, 64))
-    clock[0] = 16.0
+        runner.forward(meta("a", 4), torch.randn(1, 1, 64))
+    clock[0] = 121.0
     runner.sessions.expire()
     assert runner.session_count() == 0
     assert runner.drop(SessionId("b")) is False
+
+
+@pytest.mark.parametrize(
+    ("idle", "used", "need", "expected"),
+    [
+        ({}, 0, 100, []),  # fits
+        ({"a": (50, 1.0)}, 50, 100, None),  # "a" is busy: refuse
+        ({"a": (50, 20.0)}, 50, 100, ["a"]),  # "a" is idle: evict it
+        ({"a": (50, 20.0), "b": (50, 20.0)}, 100, 60, ["a"]),  # evict only as much as needed
+        ({"a": (50, 20.0), "b": (60, 1.0)}, 110, 100, None),  # evicting "a" is not enough
+    ],
+)
+def test_make_room(
+    idle: dict[str, tuple[int, float]], used: int, need: int, expected: list[str] | None
+) -> None:
+    assert make_room(idle, used, need, 120, 10.0) == expected  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from fastapi.testclient import TestClient
 from meshnet.config import TrackerConfig
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.probe import ProbeError, TrustingProber
 from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId
 
@@ -29,7 +31,7 @@ def mesh() -> tuple[TestClient, Clock]:
     clock = Clock()
     offers = [ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")})]
     registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=6.0, clock=clock)
-    app = create_app(registry, TrackerConfig(route_seed=0))
+    app = create_app(registry, TrackerConfig(route_seed=0), prober=TrustingProber())
     return TestClient(app), clock
 
 
@@ -225,3 +227,51 @@ def test_replacement_routes_for_one_span_excluding_banned_and_reported_nodes(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "start"
     unknown = client.get("/v1/route", params={"model": "nope"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+class RefusingProber:
+    async def probe(self, node_id: str, address: str) -> None:
+        raise ProbeError(f"{address} is not reachable", field="address")
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"models": ["not-offered"]}, "models"),
+        ({"loaded": [{"model": "m", "span": {"start": 0, "end": 31}}]}, "span"),
+        ({"loaded": [{"model": "x", "span": {"start": 0, "end": 3}}]}, "model"),
+        ({"node_id": "../etc"}, "node_id"),
+        ({"throughput": float("inf")}, "throughput"),
+        ({"kv_reserve_bytes": 200 * MB}, None),
+    ],
+)
+def test_registrations_naming_what_the_tracker_does_not_offer_are_refused(
+    mesh: tuple[TestClient, Clock], extra: dict[str, Any], field: str | None
+) -> None:
+    client, _ = mesh
+    body = {"node_id": "a", "address": "http://127.0.0.1:9", "budget_bytes": 100 * MB}
+    body |= {"quant": "fp32", "throughput": 1.0, **extra}
+    response = client.post(
+        "/v1/nodes/register",
+        content=json.dumps(body),  # allows the non-standard Infinity literal through
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["field"] == field
+    assert client.get("/v1/coverage").json()["nodes"] == []
+
+
+def test_a_node_failing_the_probe_is_not_counted() -> None:
+    offers = [ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")})]
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=6.0, clock=Clock())
+    client = TestClient(create_app(registry, TrackerConfig(), prober=RefusingProber()))
+    body = {"node_id": "a", "address": "http://10.0.0.1:9", "budget_bytes": 100 * MB}
+    response = client.post("/v1/nodes/register", json=body | {"quant": "fp32", "throughput": 1})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "address"
+    assert registry.nodes == {}
+
+
+def test_route_exclusions_must_be_node_ids(mesh: tuple[TestClient, Clock]) -> None:
+    client, _ = mesh
+    response = client.get("/v1/route", params={"model": "m", "exclude": "a,b/../c"})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "exclude"

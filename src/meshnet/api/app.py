@@ -12,33 +12,62 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshnet import __version__
 from meshnet.api import schemas
 from meshnet.client.generation import Delta, Event, Finished, GenerationParams, Generator
-from meshnet.errors import MeshError, UnknownModelError
+from meshnet.config import AccessConfig, ApiLimits
+from meshnet.errors import MeshError, RequestError, UnknownModelError
 from meshnet.http_errors import install_error_handlers
+from meshnet.security.access import Credentials, Guard, Rule, client_of, rule
+from meshnet.security.limits import ClientLimiter
 
 log = logging.getLogger(__name__)
 Render = Callable[[str | None, Finished | None, bool], dict[str, Any]]  # (text, end, first)
 
 
-def create_app(generators: Mapping[str, Generator], default_max_tokens: int = 256) -> FastAPI:
-    """A FastAPI app serving only the API (entry nodes add their node routes to it)."""
+def access_rules(limits: ApiLimits) -> list[Rule]:
+    """The API answers clients: an API key, or a loopback caller when no key is configured."""
+    body = limits.max_body_bytes
+    return [
+        rule("/v1/chat/completions", "client", max_body_bytes=body),
+        rule("/v1/completions", "client", max_body_bytes=body),
+        rule("/v1/models", "client"),
+    ]
+
+
+def create_app(
+    generators: Mapping[str, Generator],
+    default_max_tokens: int = 256,
+    *,
+    limits: ApiLimits = ApiLimits(),
+    access: AccessConfig = AccessConfig(),
+    limiter: ClientLimiter | None = None,
+    extra_rules: Sequence[Rule] = (),
+) -> FastAPI:
+    """A FastAPI app serving the API (entry nodes add their node routes and `extra_rules`)."""
     app = FastAPI(title="meshnet API", version=__version__)
     install_error_handlers(app)
-    app.include_router(api_router(generators, default_max_tokens))
+    rules = [*access_rules(limits), *extra_rules]
+    app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
+    app.include_router(api_router(generators, default_max_tokens, limits, limiter))
     return app
 
 
-def api_router(generators: Mapping[str, Generator], default_max_tokens: int = 256) -> APIRouter:
-    """The API over `generators` (model id -> generator)."""
+def api_router(
+    generators: Mapping[str, Generator],
+    default_max_tokens: int = 256,
+    limits: ApiLimits = ApiLimits(),
+    limiter: ClientLimiter | None = None,
+) -> APIRouter:
+    """The API over `generators` (model id -> generator); `limits` apply per client."""
     router = APIRouter()
+    limiter = limiter or ClientLimiter(limits)
 
     def generator_for(model: str) -> Generator:
         found = generators.get(model)
@@ -56,35 +85,67 @@ def api_router(generators: Mapping[str, Generator], default_max_tokens: int = 25
         return {"object": "list", "data": data}
 
     @router.post("/v1/chat/completions")
-    async def chat(request: schemas.ChatCompletionRequest) -> Response:
+    async def chat(request: schemas.ChatCompletionRequest, http: Request) -> Response:
+        client = client_of(http.scope)
+        limiter.admit(client)
         generator = generator_for(request.model)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         prompt = generator.codec.chat(messages)
+        check_prompt(prompt, limits, "messages")
         params = request.params(min(default_max_tokens, generator.max_context - len(prompt)))
+        check_max_tokens(params, limits, request.max_tokens_field())
+        events = _limited(generator.stream(prompt, params), limiter, client)
         render = _chat_renderer(request.model)
-        return await _respond(generator, prompt, params, request, render, "chat.completion")
+        return await _respond(events, request, render, "chat.completion")
 
     @router.post("/v1/completions")
-    async def completions(request: schemas.CompletionRequest) -> Response:
+    async def completions(request: schemas.CompletionRequest, http: Request) -> Response:
+        client = client_of(http.scope)
+        limiter.admit(client)
         generator = generator_for(request.model)
         prompt = generator.codec.encode(request.text())
+        check_prompt(prompt, limits, "prompt")
+        check_max_tokens(request.params(), limits, "max_tokens")
+        events = _limited(generator.stream(prompt, request.params()), limiter, client)
         render = _text_renderer(request.model)
-        return await _respond(
-            generator, prompt, request.params(), request, render, "text_completion"
-        )
+        return await _respond(events, request, render, "text_completion")
 
     return router
 
 
+def check_prompt(prompt: list[int], limits: ApiLimits, field: str) -> None:
+    if len(prompt) > limits.max_prompt_tokens:
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens; this server takes at most "
+            f"{limits.max_prompt_tokens}",
+            field=field,
+        )
+
+
+def check_max_tokens(params: GenerationParams, limits: ApiLimits, field: str) -> None:
+    if params.max_tokens > limits.max_tokens:
+        raise RequestError(
+            f"{field} is {params.max_tokens}; this server allows at most {limits.max_tokens}",
+            field=field,
+        )
+
+
+async def _limited(
+    events: AsyncGenerator[Event], limiter: ClientLimiter, client: str
+) -> AsyncGenerator[Event]:
+    """`events`, counted as one of `client`'s generations in flight while it runs."""
+    limiter.acquire(client)
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+        limiter.release(client)
+
+
 async def _respond(
-    generator: Generator,
-    prompt: list[int],
-    params: GenerationParams,
-    request: schemas.Sampling,
-    render: Render,
-    kind: str,
+    events: AsyncGenerator[Event], request: schemas.Sampling, render: Render, kind: str
 ) -> Response:
-    events = generator.stream(prompt, params)
     try:
         first = await anext(events)  # errors before the first token become HTTP errors
     except BaseException:

@@ -86,6 +86,9 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: Literal[False] = False
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def params(self, default_max_tokens: int) -> GenerationParams:
         limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return GenerationParams(limit, self.stops(), self.sampling())

@@ -18,8 +18,9 @@ import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import HopError, MeshError
+from meshnet.errors import HopError, MeshError, WireError
 from meshnet.node.runner import ShardRunner
+from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
 
@@ -58,9 +59,11 @@ class HttpTransport:
         wire: WireConfig = WireConfig(),
         limits: WireLimits = WireLimits(),
         timeout_s: float = 60.0,
+        signer: Signer | None = None,
     ) -> None:
         self.wire = wire
         self.limits = limits
+        self.signer = signer or Signer(None)  # proves swarm membership to every hop
         # a dead host fails fast at connect; a slow prefill chunk may take up to timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s))
         self._client: aiohttp.ClientSession | None = None
@@ -72,21 +75,30 @@ class HttpTransport:
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         frame = encode(hidden, meta, self.wire)
+        data = bytes(frame.body)
+        headers = frame.headers | self.signer.headers("POST", "/forward", data)
         try:
             async with self._session().post(
-                f"{hop.address}/forward", data=bytes(frame.body), headers=frame.headers
+                f"{hop.address}/forward", data=data, headers=headers
             ) as response:
                 body = await response.read()
                 if response.status != 200:
                     raise hop_error(hop, response.status, body)
-                return decode(response.headers, body, self.limits)[1]
+                return checked_output(hop, *decode(response.headers, body, self.limits))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
+        except WireError as exc:  # the hop answered 200 with a frame we cannot use
+            raise HopError(
+                f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop
+            ) from exc
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
+        path = f"/sessions/{session}"
         try:
             async with self._session().delete(
-                f"{hop.address}/sessions/{session}", timeout=aiohttp.ClientTimeout(total=5.0)
+                f"{hop.address}{path}",
+                timeout=aiohttp.ClientTimeout(total=5.0),
+                headers=self.signer.headers("DELETE", path),
             ) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -95,6 +107,21 @@ class HttpTransport:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
+
+
+def checked_output(hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+    """A hop's output, refused (`WireError`) when it is not what we asked that hop for.
+
+    Non-finite values are the sign of a faulty node (bad weights, broken kernels, bad
+    hardware): failing over to another copy beats passing garbage on to the user.
+    """
+    if meta.span != hop.span:
+        raise WireError(
+            f"the frame is for layers {meta.span}, not {hop.span}", field="X-Meshnet-Layers"
+        )
+    if not bool(torch.isfinite(hidden).all()):
+        raise WireError("the activations hold NaN or Inf values", field="body")
+    return hidden
 
 
 def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
@@ -134,7 +161,12 @@ class InProcessTransport:
                 hop=hop,
             ) from exc
         back = encode(out, meta, self.wire)
-        return decode(back.headers, bytes(back.body))[1]
+        try:
+            return checked_output(hop, *decode(back.headers, bytes(back.body)))
+        except WireError as exc:
+            raise HopError(
+                f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop
+            ) from exc
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         self.closed.append((hop.address, session))

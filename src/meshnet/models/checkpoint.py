@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from meshnet.errors import ModelError
-from meshnet.models.gguf_file import gguf_reader
+from meshnet.models.gguf_file import read_gguf
 from meshnet.models.registry import Architecture
 from meshnet.models.spec import ModelSpec
 
@@ -79,7 +79,7 @@ class GgufCheckpoint:
         self.path = path
         self.arch = arch
         self.spec = spec
-        self.tensors = {t.name: t for t in gguf_reader(path).tensors}
+        self.tensors = {t.name: t for t in read_gguf(path).tensors}
 
     def has(self, name: str) -> bool:
         return self.arch.gguf_name(name)[0] in self.tensors

@@ -76,10 +76,10 @@ def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
 
 
 def _gguf_source(model_id: str, path: Path) -> ModelSource:
-    from meshnet.models.gguf_file import gguf_fields, gguf_reader
+    from meshnet.models.gguf_file import gguf_fields, read_gguf
 
     fields = gguf_fields(path)
-    names = {t.name for t in gguf_reader(path).tensors}
+    names = {t.name for t in read_gguf(path).tensors}
     spec = registry.get(str(fields["general.architecture"])).spec_from_gguf(fields, names)
     if spec.vocab_size == 0:  # older files omit it; the vocabulary itself says
         spec = replace(spec, vocab_size=len(fields["tokenizer.ggml.tokens"]))

@@ -36,6 +36,22 @@ def node_id(data_dir: Path) -> str:
     return new
 
 
+class RefusedError(Exception):
+    """The tracker answered a control-plane call with an error."""
+
+
+def _check(response: httpx.Response, what: str) -> None:
+    """Raise `RefusedError` with the tracker's own words when it refused `what`."""
+    if response.is_success:
+        return
+    try:
+        reason = str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        reason = response.text[:200]
+    hint = " (is this node's swarm key the tracker's?)" if response.status_code == 401 else ""
+    raise RefusedError(f"the tracker refused our {what}: {response.status_code} {reason}{hint}")
+
+
 class NodeAgent:
     """Keeps one node registered with one tracker and its shards as the tracker directs."""
 
@@ -54,6 +70,7 @@ class NodeAgent:
         self.loading: dict[tuple[str, LayerSpan], asyncio.Task[None]] = {}
         self.failed: list[msg.ShardFailure] = []
         self.registered = False
+        self.retry_s = 0.1  # registration retries start fast: the first try may beat our server
 
     def loaded(self) -> list[msg.ShardRef]:
         return [msg.ShardRef(model=m, span=s) for m, s in sorted(self.service.runners)]
@@ -64,8 +81,14 @@ class NodeAgent:
             try:
                 await self._beat()
             except (httpx.HTTPError, ValueError) as exc:
-                log.warning("tracker unreachable (%s); retrying in %.1f s", exc, self.interval_s)
-            await asyncio.sleep(self.interval_s)
+                log.warning("tracker unreachable (%s); retrying", exc)
+            except RefusedError as exc:
+                log.warning("%s; retrying", exc)
+            if self.registered:
+                await asyncio.sleep(self.interval_s)
+            else:
+                await asyncio.sleep(self.retry_s)
+                self.retry_s = min(self.interval_s, self.retry_s * 2)
 
     async def retire(self, task: asyncio.Task[None]) -> None:
         """Stop heartbeating (`task` is `run()`), then leave: the tracker re-plans at once."""
@@ -97,7 +120,7 @@ class NodeAgent:
             self.registered = False
             await self._register()
             return
-        response.raise_for_status()
+        _check(response, "heartbeat")
         self.failed = []
         self._apply(msg.HeartbeatResponse.model_validate(response.json()).directives)
 
@@ -106,10 +129,11 @@ class NodeAgent:
         response = await self.client.post(
             "/v1/nodes/register", json=request.model_dump(mode="json")
         )
-        response.raise_for_status()
+        _check(response, "registration")
         answer = msg.RegisterResponse.model_validate(response.json())
         self.interval_s = answer.heartbeat_interval_s
         self.registered = True
+        self.retry_s = 0.1
         log.info("registered with the tracker as %s", answer.node_id)
         self._apply(answer.directives)
 

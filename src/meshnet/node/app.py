@@ -1,4 +1,7 @@
-"""The node's HTTP app: `POST /forward` (binary activation frames), sessions, health."""
+"""The node's HTTP app: `POST /forward` (binary activation frames), sessions, identity, health.
+
+Every route but `/health` needs a swarm-key proof (the access guard, ADR-0017).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +12,27 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
+import torch
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshnet import __version__
-from meshnet.config import WireConfig, WireLimits
+from meshnet.config import AccessConfig, WireConfig, WireLimits
 from meshnet.errors import (
+    LimitError,
     PayloadTooLargeError,
+    RequestError,
     SessionNotFoundError,
     UnavailableError,
     WireError,
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.runner import ShardRunner
-from meshnet.types import LayerSpan, SessionId
+from meshnet.security.access import Credentials, Guard, Rule, rule
+from meshnet.security.swarm import SwarmKey, challenge_proof
+from meshnet.types import LayerSpan, SessionId, is_valid_id
 from meshnet.wire import decode, encode
 from meshnet.wire import headers as h
 
@@ -64,7 +72,11 @@ class NodeService:
     """
 
     def __init__(
-        self, runners: Sequence[ShardRunner], limits: WireLimits, wire: WireConfig
+        self,
+        runners: Sequence[ShardRunner],
+        limits: WireLimits,
+        wire: WireConfig,
+        max_sessions: int = 64,
     ) -> None:
         self.runners: dict[tuple[str, LayerSpan], ShardRunner] = {}
         for runner in runners:
@@ -75,6 +87,10 @@ class NodeService:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
         self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
         self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
+        self.max_sessions = max_sessions  # sessions of all shards together
+        self.node_id = "unregistered"  # answered to the tracker's identity probe
+        self.swarm_key: SwarmKey | None = None  # proves membership in that answer
+        self.refused_sessions = 0  # new sessions refused by `max_sessions`
 
     def add(self, runner: ShardRunner) -> None:
         self.runners[(runner.model, runner.span)] = runner
@@ -95,21 +111,45 @@ class NodeService:
     async def forward(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         meta, hidden = decode(request.headers, body, self.limits)
+        if not bool(torch.isfinite(hidden).all()):  # poison must not reach a cache
+            raise WireError("the activations hold NaN or Inf values", field="body")
         runner = self.runners.get((meta.model, meta.span))
         if runner is None:
             served = ", ".join(f"{m} {s}" for m, s in sorted(self.runners)) or "nothing yet"
             raise WireError(
                 f"this node serves {served}, not {meta.model} layers {meta.span}", field=h.LAYERS
             )
-        if self.draining and meta.position == 0:
-            raise UnavailableError("this node is shutting down; it takes no new sessions")
+        if meta.position == 0:
+            self._admit_session()
         inline = hidden.shape[1] <= INLINE_MAX_TOKENS
         out = await self.call(inline, runner.forward, meta, hidden)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
+    def _admit_session(self) -> None:
+        """A new session may start: not draining, and under `max_sessions`."""
+        if self.draining:
+            raise UnavailableError("this node is shutting down; it takes no new sessions")
+        if self.session_count() >= self.max_sessions:
+            self.refused_sessions += 1
+            raise LimitError(
+                f"this node holds {self.session_count()} sessions, its limit; retry later",
+                retry_after_s=1.0,
+                field="X-Meshnet-Session",
+            )
+
+    async def identity(self, request: Request) -> Response:
+        """The answer to the tracker's probe: our id and a proof only a member can make."""
+        challenge = request.query_params.get("challenge", "")
+        if not (16 <= len(challenge) <= 128 and challenge.isalnum()):
+            raise RequestError("challenge must be 16-128 letters or digits", field="challenge")
+        proof = challenge_proof(self.swarm_key, challenge, self.node_id) if self.swarm_key else ""
+        return JSONResponse({"node_id": self.node_id, "proof": proof})
+
     async def drop_session(self, request: Request) -> Response:
         session = SessionId(request.path_params["session"])
+        if not is_valid_id(session):
+            raise RequestError(f"invalid session id {session[:128]!r}", field="session")
         dropped = [await self.call(True, r.drop, session) for r in list(self.runners.values())]
         if not any(dropped):
             raise SessionNotFoundError(
@@ -130,6 +170,15 @@ class NodeService:
         return JSONResponse(body)
 
 
+def access_rules(limits: WireLimits) -> list[Rule]:
+    """Who may call the activation plane: members only (bodies up to the wire limit)."""
+    return [
+        rule("/forward", "swarm", max_body_bytes=limits.max_body_bytes),
+        rule("/sessions", "swarm"),
+        rule("/v1/identity", "swarm"),
+    ]
+
+
 def create_app(
     runner: ShardRunner | None = None,
     limits: WireLimits = WireLimits(),
@@ -137,6 +186,7 @@ def create_app(
     *,
     service: NodeService | None = None,
     lifespan: Lifespan | None = None,
+    access: AccessConfig = AccessConfig(),
 ) -> Starlette:
     """The node's ASGI app around `runner` (or a prepared `service` with many runners).
 
@@ -145,7 +195,10 @@ def create_app(
     (tracker, API) use FastAPI for schemas and OpenAPI.
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
-    app = Starlette(middleware=[Middleware(WireVersionHeader)], lifespan=lifespan)
+    guard = Middleware(Guard, rules=access_rules(limits), credentials=Credentials(access))
+    if access.swarm_key:
+        service.swarm_key = SwarmKey.from_text(access.swarm_key)
+    app = Starlette(middleware=[Middleware(WireVersionHeader), guard], lifespan=lifespan)
     install_error_handlers(app)
     add_node_routes(app, service)
     app.add_route("/health", service.health, methods=["GET"])
@@ -157,3 +210,4 @@ def add_node_routes(app: Starlette, service: NodeService) -> None:
     app.state.service = service
     app.add_route("/forward", service.forward, methods=["POST"])
     app.add_route("/sessions/{session}", service.drop_session, methods=["DELETE"])
+    app.add_route("/v1/identity", service.identity, methods=["GET"])

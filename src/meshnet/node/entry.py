@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.applications import Starlette
 
+from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
 from meshnet.api.app import create_app as create_api_app
 from meshnet.client.codec import HfCodec
@@ -29,7 +30,15 @@ from meshnet.client.generation import Generator
 from meshnet.client.pipeline import Pipeline
 from meshnet.client.routes import RegistryRoutes, RouteSource, StaticRoutes, TrackerRoutes
 from meshnet.client.transport import HttpTransport
-from meshnet.config import EntryConfig, NodeConfig, TrackerConfig, WireConfig, WireLimits
+from meshnet.config import (
+    AccessConfig,
+    ApiLimits,
+    EntryConfig,
+    NodeConfig,
+    TrackerConfig,
+    WireConfig,
+    WireLimits,
+)
 from meshnet.errors import ModelError
 from meshnet.models import sizing
 from meshnet.models.loader import load_head, load_tokenizer
@@ -37,10 +46,14 @@ from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_node_routes
-from meshnet.node.serve import load_runner, registration, run_server
+from meshnet.node.app import access_rules as node_rules
+from meshnet.node.serve import load_runner, registration, run_server, tracker_client
 from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.security.signing import Signer
+from meshnet.security.swarm import SwarmKey
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.messages import RegisterRequest
+from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.serve import build_registry, offer
 from meshnet.types import LayerSpan
 
@@ -157,59 +170,87 @@ def agent_lifespan(
     return lifespan
 
 
-def build_entry_app(config: NodeConfig, entry: EntryConfig = EntryConfig()) -> FastAPI:
+def entry_service(
+    config: NodeConfig, model: EntryModel, request: RegisterRequest, access: AccessConfig
+) -> NodeService:
+    """The node side of an entry: its own span behind `/forward`, answering probes as itself."""
+    service = NodeService([model.runner], WireLimits(), WireConfig(), config.max_sessions)
+    service.node_id = request.node_id
+    service.swarm_key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None
+    return service
+
+
+def build_entry_app(
+    config: NodeConfig,
+    entry: EntryConfig = EntryConfig(),
+    access: AccessConfig = AccessConfig(),
+    limits: ApiLimits = ApiLimits(),
+) -> FastAPI:
     """`meshnet node --entry`: layers [0, k), the head and the API; routes from the tracker.
 
     Without a tracker the node must hold every layer and serves alone.
     """
     span = entry_span(config)
     model = load_entry_model(config, span)
-    wire = WireConfig()
-    service = NodeService([model.runner], WireLimits(), wire)
-    transport = HttpTransport(wire, timeout_s=entry.hop_timeout_s)
     request = registration(replace(config, budget_bytes=entry_budget(config, span)))
+    service = entry_service(config, model, request, access)
+    transport = HttpTransport(
+        service.wire, timeout_s=entry.hop_timeout_s, signer=Signer(access.swarm_key)
+    )
     if config.tracker_url is None:
         if span.end < model.num_layers:
             raise ModelError(f"without --tracker an entry node must serve all layers, not {span}")
         routes: RouteSource = StaticRoutes([])  # it holds every layer: there are no hops
     else:
-        tracker = httpx.AsyncClient(base_url=config.tracker_url, timeout=entry.route_timeout_s)
-        routes = TrackerRoutes(tracker)
+        routes = TrackerRoutes(tracker_client(config.tracker_url, access, entry.route_timeout_s))
     generator = make_generator(model, service, routes, transport, entry, request.node_id)
-    app = create_api_app({model.model_id: generator}, entry.default_max_tokens)
+    app = create_api_app(
+        {model.model_id: generator},
+        entry.default_max_tokens,
+        limits=limits,
+        access=access,
+        extra_rules=node_rules(service.limits),
+    )
     add_node_routes(app, service)
     app.add_route("/health", service.health, methods=["GET"])
     if config.tracker_url is not None:
         url = config.tracker_url
         app.router.lifespan_context = agent_lifespan(
-            service,
-            lambda: httpx.AsyncClient(base_url=url, timeout=10.0),
-            config,
-            request,
-            transport.aclose,
+            service, lambda: tracker_client(url, access), config, request, transport.aclose
         )
     return app
 
 
 def build_tracker_node_app(
-    tracker: TrackerConfig, node: NodeConfig, entry: EntryConfig = EntryConfig()
+    tracker: TrackerConfig,
+    node: NodeConfig,
+    entry: EntryConfig = EntryConfig(),
+    access: AccessConfig = AccessConfig(),
+    limits: ApiLimits = ApiLimits(),
 ) -> FastAPI:
     """`meshnet tracker --layers 0:K`: the control plane plus an entry node, in one process."""
     registry = build_registry(tracker)
-    app = create_tracker_app(registry, tracker)
+    signer = Signer(access.swarm_key)
     node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port)
     span = entry_span(node)
     model = load_entry_model(node, span)
-    service = NodeService([model.runner], WireLimits(), WireConfig())
-    add_node_routes(app, service)  # other entry nodes may route through our span
-    transport = HttpTransport(service.wire, timeout_s=entry.hop_timeout_s)
-    routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
     request = registration(replace(node, budget_bytes=entry_budget(node, span)))
+    service = entry_service(node, model, request, access)
+    rules = [*node_rules(service.limits), *api_rules(limits)]
+    prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)
+    app = create_tracker_app(registry, tracker, prober=prober, access=access, extra_rules=rules)
+    add_node_routes(app, service)  # other entry nodes may route through our span
+    transport = HttpTransport(service.wire, timeout_s=entry.hop_timeout_s, signer=signer)
+    routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
     generator = make_generator(model, service, routes, transport, entry, request.node_id)
-    app.include_router(api_router({model.model_id: generator}, entry.default_max_tokens))
-    own = agent_lifespan(  # registers with this very app, in-process
+    app.include_router(api_router({model.model_id: generator}, entry.default_max_tokens, limits))
+    own = agent_lifespan(  # registers with this very app, in-process (signed like any node)
         service,
-        lambda: httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://self"),
+        lambda: httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 0)),
+            base_url="http://self",
+            auth=signer.auth(),
+        ),
         node,
         request,
         transport.aclose,
@@ -225,13 +266,21 @@ def build_tracker_node_app(
     return app
 
 
-def serve_entry(config: NodeConfig, entry: EntryConfig) -> None:
-    app = build_entry_app(config, entry)
+def serve_entry(
+    config: NodeConfig, entry: EntryConfig, access: AccessConfig, limits: ApiLimits
+) -> None:
+    app = build_entry_app(config, entry, access, limits)
     log.info("entry node listening on http://%s:%d (API under /v1)", config.host, config.port)
     run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
 
 
-def serve_tracker_node(tracker: TrackerConfig, node: NodeConfig, entry: EntryConfig) -> None:
-    app = build_tracker_node_app(tracker, node, entry)
+def serve_tracker_node(
+    tracker: TrackerConfig,
+    node: NodeConfig,
+    entry: EntryConfig,
+    access: AccessConfig,
+    limits: ApiLimits,
+) -> None:
+    app = build_tracker_node_app(tracker, node, entry, access, limits)
     log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
     uvicorn.run(app, host=tracker.host, port=tracker.port, log_level="warning")

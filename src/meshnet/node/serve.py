@@ -17,13 +17,14 @@ import torch
 import uvicorn
 from starlette.applications import Starlette
 
-from meshnet.config import NodeConfig, WireConfig, WireLimits
+from meshnet.config import AccessConfig, NodeConfig, WireConfig, WireLimits
 from meshnet.models.loader import load_shard
 from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent, node_id
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.security.signing import Signer
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, ModelId
 
@@ -35,7 +36,11 @@ def load_runner(
 ) -> TorchShardRunner:
     shard = load_shard(resolve(source), span, config.quant)
     return TorchShardRunner(
-        ModelId(model_id), shard, ttl_s=config.session_ttl_s, max_cache_bytes=config.max_cache_bytes
+        ModelId(model_id),
+        shard,
+        ttl_s=config.session_ttl_s,
+        max_cache_bytes=config.max_cache_bytes,
+        evict_idle_s=config.evict_idle_s,
     )
 
 
@@ -82,18 +87,25 @@ def registration(config: NodeConfig) -> msg.RegisterRequest:
     )
 
 
-def build_app(config: NodeConfig) -> Starlette:
+def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> httpx.AsyncClient:
+    """An httpx client for the tracker that signs every call with the swarm key."""
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=Signer(access.swarm_key).auth())
+
+
+def build_app(config: NodeConfig, access: AccessConfig) -> Starlette:
     pinned = pinned_runner(config)
-    if config.tracker_url is None:
-        assert pinned is not None
-        return create_app(pinned)
-    tracker_url = config.tracker_url
-    service = NodeService([pinned] if pinned else [], WireLimits(), WireConfig())
+    service = NodeService(
+        [pinned] if pinned else [], WireLimits(), WireConfig(), config.max_sessions
+    )
     request = registration(config)
+    service.node_id = request.node_id
+    if config.tracker_url is None:
+        return create_app(service=service, access=access)
+    tracker_url = config.tracker_url
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        async with httpx.AsyncClient(base_url=tracker_url, timeout=10.0) as client:
+        async with tracker_client(tracker_url, access) as client:
             agent = NodeAgent(
                 service, client, request, lambda m, s, span: load_runner(config, m, s, span)
             )
@@ -103,7 +115,7 @@ def build_app(config: NodeConfig) -> Starlette:
             task.cancel()
             await agent.leave()  # a no-op when the signal handler already left
 
-    return create_app(service=service, lifespan=lifespan)
+    return create_app(service=service, lifespan=lifespan, access=access)
 
 
 class DrainingServer(uvicorn.Server):
@@ -138,8 +150,8 @@ def run_server(app: Starlette, service: NodeService, host: str, port: int, drain
     DrainingServer(config, service).run()
 
 
-def serve(config: NodeConfig) -> None:
+def serve(config: NodeConfig, access: AccessConfig) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
-    app = build_app(config)
+    app = build_app(config, access)
     log.info("node listening on http://%s:%d", config.host, config.port)
     run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)

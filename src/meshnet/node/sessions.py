@@ -1,7 +1,9 @@
 """Per-session KV caches on a node: continuity checks, idle expiry and a memory cap.
 
-Decisions are pure functions (`expired`, `over_budget`) with the clock passed in; the
-`SessionStore` applies them.
+Decisions are pure functions (`expired`, `over_budget`, `make_room`) with the clock passed in;
+the `SessionStore` applies them. Before a call grows a cache, the store checks the cap: it
+evicts sessions idle for `evict_idle_s` (least recently used first) when that makes room, and
+otherwise refuses the call (429) without touching any session.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshnet.errors import SessionError, SessionNotFoundError
+from meshnet.errors import LimitError, SessionError, SessionNotFoundError
 from meshnet.types import SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
 
@@ -26,6 +28,7 @@ class Session:
     chunks: ChunkState | None = None
     last_used_s: float = 0.0
     cache_bytes: int = 0
+    batch: int = 0  # the batch size of its frames; every call of a session keeps it
 
 
 def expired(last_used_s: Mapping[SessionId, float], now_s: float, ttl_s: float) -> list[SessionId]:
@@ -48,6 +51,28 @@ def over_budget(
     return victims
 
 
+def make_room(
+    idle_lru_first: Mapping[SessionId, tuple[int, float]],
+    used_bytes: int,
+    need_bytes: int,
+    max_bytes: int,
+    min_idle_s: float,
+) -> list[SessionId] | None:
+    """Sessions to evict so `need_bytes` more fit, or None when evicting idle ones cannot.
+
+    `idle_lru_first` maps each other session to (its bytes, seconds idle), least recent first;
+    only sessions idle for at least `min_idle_s` may go.
+    """
+    victims, total = [], used_bytes
+    for sid, (size, idle_s) in idle_lru_first.items():
+        if total + need_bytes <= max_bytes:
+            break
+        if idle_s >= min_idle_s:
+            victims.append(sid)
+            total -= size
+    return victims if total + need_bytes <= max_bytes else None
+
+
 class SessionStore:
     """The sessions of one shard, least recently used first."""
 
@@ -58,6 +83,7 @@ class SessionStore:
         *,
         ttl_s: float = 600.0,
         max_bytes: int = 1 << 30,
+        evict_idle_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.new_cache = new_cache
@@ -65,12 +91,16 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.clock = clock
+        self.evict_idle_s = evict_idle_s  # a session idle this long may be evicted for room
+        self.bytes_per_token = 0  # learned from the caches measured so far
+        self.refused = 0  # calls refused because the cache was full
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 
-    def checkout(self, meta: FrameMeta) -> tuple[Session, ChunkState]:
+    def checkout(self, meta: FrameMeta, tokens: int = 1) -> tuple[Session, ChunkState]:
         """The session `meta` continues (new at position 0), and its chunk state after it.
 
-        Refuses (changing nothing) a call that does not continue the cache exactly.
+        Refuses (changing nothing) a call that does not continue the cache exactly, or whose
+        `tokens` new tokens would not fit the memory cap.
         """
         self.expire()
         session = self._sessions.get(meta.session)
@@ -89,7 +119,30 @@ class SessionStore:
                 f"{meta.position} would leave a {problem}",
                 field="X-Meshnet-Position",
             )
-        return session, next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
+        chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
+        self._reserve(meta.session, session, tokens)
+        return session, chunks
+
+    def _reserve(self, sid: SessionId, session: Session, tokens: int) -> None:
+        """Make room for `tokens` more of `session`, evicting idle sessions, or refuse (429)."""
+        need = self.bytes_per_token * (session.length + tokens) - session.cache_bytes
+        others = {k: s for k, s in self._sessions.items() if k != sid}
+        used = sum(s.cache_bytes for s in others.values())
+        now = self.clock()
+        idle = {k: (s.cache_bytes, now - s.last_used_s) for k, s in others.items()}
+        victims = make_room(
+            idle, used + session.cache_bytes, need, self.max_bytes, self.evict_idle_s
+        )
+        if victims is None:
+            self.refused += 1
+            raise LimitError(
+                f"this node's KV cache is full ({used + session.cache_bytes} of "
+                f"{self.max_bytes} bytes in use; {max(need, 0)} more needed); retry later",
+                retry_after_s=1.0,
+                field="X-Meshnet-Session",
+            )
+        for victim in victims:
+            del self._sessions[victim]
 
     def commit(self, sid: SessionId, session: Session, tokens: int, chunks: ChunkState) -> None:
         """Record a successful call of `tokens` tokens, then enforce the memory cap."""
@@ -97,6 +150,9 @@ class SessionStore:
         session.chunks = chunks
         session.last_used_s = self.clock()
         session.cache_bytes = self.measure(session.cache)
+        if session.length:
+            per_token = -(-session.cache_bytes // session.length)  # ceiling
+            self.bytes_per_token = max(self.bytes_per_token, per_token)
         self._sessions[sid] = session
         self._sessions.move_to_end(sid)
         sizes = {k: s.cache_bytes for k, s in self._sessions.items()}

@@ -1,4 +1,8 @@
-"""The tracker's HTTP app: registration, heartbeats, coverage, routes, health (JSON)."""
+"""The tracker's HTTP app: registration, heartbeats, coverage, routes, health (JSON).
+
+Member calls need a swarm-key proof; coverage may also be read with a client API key;
+`/health` and the OpenAPI document are open (the access guard, ADR-0017).
+"""
 
 from __future__ import annotations
 
@@ -6,23 +10,44 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Query
 
 from meshnet import __version__
-from meshnet.config import TrackerConfig
+from meshnet.config import AccessConfig, TrackerConfig
+from meshnet.errors import RequestError
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
+from meshnet.security.access import Credentials, Guard, KiB, Rule, rule
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
+from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
-from meshnet.types import NodeId
+from meshnet.types import NodeId, is_valid_id
 
 log = logging.getLogger(__name__)
 
 
-def create_app(registry: Registry, config: TrackerConfig) -> FastAPI:
-    """The tracker's ASGI app over `registry`."""
+def access_rules() -> list[Rule]:
+    return [
+        rule("/v1/nodes", "swarm", max_body_bytes=256 * KiB),
+        rule("/v1/route", "swarm"),
+        rule("/v1/coverage", "swarm", "client"),
+    ]
+
+
+def create_app(
+    registry: Registry,
+    config: TrackerConfig,
+    *,
+    prober: Prober,
+    access: AccessConfig = AccessConfig(),
+    extra_rules: Sequence[Rule] = (),
+) -> FastAPI:
+    """The tracker's ASGI app over `registry`; `prober` checks registering nodes.
+
+    `extra_rules`: access rules of routes added later (tracker-as-node adds node and API routes).
+    """
     rng = random.Random(config.route_seed)
 
     @contextlib.asynccontextmanager
@@ -33,10 +58,14 @@ def create_app(registry: Registry, config: TrackerConfig) -> FastAPI:
 
     app = FastAPI(title="meshnet tracker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    rules = [*access_rules(), *extra_rules]
+    app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
     app.add_middleware(WireVersionHeader)
 
     @app.post("/v1/nodes/register")
-    def register(request: msg.RegisterRequest) -> msg.RegisterResponse:
+    async def register(request: msg.RegisterRequest) -> msg.RegisterResponse:
+        registry.validate(request)  # refuse what we would not count before probing
+        await prober.probe(request.node_id, request.address)
         directives = registry.register(request)
         return msg.RegisterResponse(
             node_id=request.node_id,
@@ -71,6 +100,9 @@ def create_app(registry: Registry, config: TrackerConfig) -> FastAPI:
     ) -> msg.RouteResponse:
         registry.expire()
         banned = frozenset(n for n in exclude.split(",") if n)
+        bad = sorted(n for n in banned if not is_valid_id(n))
+        if bad:
+            raise RequestError(f"exclude holds invalid node ids: {bad[:3]}", field="exclude")
         return views.route(registry, model, start, rng, end, banned)
 
     @app.get("/health")

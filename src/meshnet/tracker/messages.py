@@ -5,15 +5,18 @@ Every model forbids unknown fields and is frozen; handlers receive these, never 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshnet.types import LayerSpan
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 Quant = Literal["fp32", "bf16", "int8", "nf4"]
 Op = Literal["LOAD_SHARD", "DROP_SHARD"]
+MAX_BYTES = 1 << 60  # a budget beyond an exabyte is a typo or an attack
+MAX_SHARDS = 256  # shards one node may list
+ModelName = Annotated[str, Field(pattern=ID_PATTERN)]
 
 
 class Message(BaseModel):
@@ -45,12 +48,18 @@ class DirectiveMessage(Message):
 class RegisterRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
     address: str = Field(pattern=r"^https?://[^\s/]+$", max_length=300)
-    models: list[str] | None = None  # models it may serve; None = any offered
-    budget_bytes: int = Field(gt=0)
-    kv_reserve_bytes: int = Field(ge=0, default=0)
+    models: list[ModelName] | None = Field(default=None, max_length=64)  # None = any offered
+    budget_bytes: int = Field(gt=0, le=MAX_BYTES)
+    kv_reserve_bytes: int = Field(ge=0, le=MAX_BYTES, default=0)
     quant: Quant
-    throughput: float = Field(gt=0)  # relative speed measured at start-up
-    loaded: list[ShardRef] = []
+    throughput: float = Field(gt=0, le=1e12, allow_inf_nan=False)  # measured at start-up
+    loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
+
+    @model_validator(mode="after")
+    def _reserve_within_budget(self) -> RegisterRequest:
+        if self.kv_reserve_bytes > self.budget_bytes:
+            raise ValueError("kv_reserve_bytes exceeds budget_bytes")
+        return self
 
 
 class RegisterResponse(Message):
@@ -61,10 +70,10 @@ class RegisterResponse(Message):
 
 class HeartbeatRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
-    loaded: list[ShardRef] = []
-    loading: list[ShardRef] = []
-    failed: list[ShardFailure] = []
-    sessions: int = Field(ge=0, default=0)
+    loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
+    loading: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
+    failed: list[ShardFailure] = Field(default=[], max_length=MAX_SHARDS)
+    sessions: int = Field(ge=0, le=1 << 31, default=0)
 
 
 class HeartbeatResponse(Message):

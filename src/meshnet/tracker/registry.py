@@ -75,7 +75,19 @@ class Registry:
         self.nodes: dict[NodeId, NodeRecord] = {}
         self.recent: deque[Directive] = deque(maxlen=50)
 
+    def validate(self, request: msg.RegisterRequest) -> None:
+        """Refuse (400) a registration naming models or spans this tracker does not offer."""
+        unknown = sorted(set(request.models or []) - set(self.offers))
+        if unknown:
+            raise RegistrationError(
+                f"models {unknown} are not offered here (offered: {sorted(self.offers)})",
+                field="models",
+            )
+        for ref in request.loaded:
+            self._key(ref)
+
     def register(self, request: msg.RegisterRequest) -> list[Directive]:
+        self.validate(request)
         loaded = {self._key(ref) for ref in request.loaded}
         self.nodes[NodeId(request.node_id)] = NodeRecord(request, self.clock(), loaded=loaded)
         log.info(

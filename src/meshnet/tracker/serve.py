@@ -7,11 +7,13 @@ import time
 
 import uvicorn
 
-from meshnet.config import TrackerConfig
+from meshnet.config import AccessConfig, TrackerConfig
 from meshnet.models.sizing import QUANTS, layer_bytes
 from meshnet.models.source import resolve
+from meshnet.security.signing import Signer
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.probe import HttpProber
 from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId, is_valid_id
 
@@ -42,7 +44,8 @@ def build_registry(config: TrackerConfig) -> Registry:
     return Registry(offers, sources, dead_after_s=config.dead_after_s, clock=time.monotonic)
 
 
-def serve(config: TrackerConfig) -> None:
-    app = create_app(build_registry(config), config)
+def serve(config: TrackerConfig, access: AccessConfig) -> None:
+    prober = HttpProber(Signer(access.swarm_key))
+    app = create_app(build_registry(config), config, prober=prober, access=access)
     log.info("tracker on http://%s:%d", config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

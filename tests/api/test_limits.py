@@ -1,0 +1,120 @@
+"""The API's per-client limits and keys, in-process over the fake mesh: each refusal is a 4xx
+naming its limit, and none leaves a session or a slot behind."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+
+from meshnet.api.app import create_app
+from meshnet.config import AccessConfig, ApiLimits
+from meshnet.errors import LimitError
+from meshnet.security.limits import ClientLimiter
+from tests.client.fakes import fake_mesh
+from tests.conftest import run
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig()) -> FastAPI:
+    generator, _, runners = fake_mesh()
+    limiter = ClientLimiter(limits)
+    app = create_app({"fake": generator}, 8, limits=limits, access=access, limiter=limiter)
+    app.state.runners, app.state.limiter = runners, limiter
+    return app
+
+
+def post(app: FastAPI, body: dict[str, object], **kwargs: object) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as http:
+            return await http.post("/v1/chat/completions", json=body, **kwargs)  # type: ignore[arg-type]
+
+    return run(go())
+
+
+def no_leftovers(app: FastAPI) -> bool:
+    idle = all(r.session_count() == 0 for r in app.state.runners.values())
+    return idle and app.state.limiter.in_flight == {}
+
+
+@pytest.mark.parametrize(
+    ("limits", "body", "status", "field"),
+    [
+        (ApiLimits(max_tokens=16), CHAT | {"max_tokens": 17}, 400, "max_tokens"),
+        (
+            ApiLimits(max_tokens=16),
+            CHAT | {"max_completion_tokens": 17},
+            400,
+            "max_completion_tokens",
+        ),
+        (
+            ApiLimits(max_prompt_tokens=30),
+            CHAT | {"messages": [{"role": "user", "content": "x" * 50}]},
+            400,
+            "messages",
+        ),
+        (ApiLimits(max_body_bytes=200), CHAT | {"user": "u" * 200}, 413, "body"),
+    ],
+)
+def test_request_limits(
+    limits: ApiLimits, body: dict[str, object], status: int, field: str
+) -> None:
+    app = make(limits)
+    response = post(app, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == field
+    assert no_leftovers(app)
+    assert post(app, CHAT).status_code == 200  # the next good request is served
+
+
+def test_rate_limit_per_client_with_retry_after() -> None:
+    app = make(ApiLimits(requests_per_minute=6, burst_requests=2))
+    assert [post(app, CHAT).status_code for _ in range(3)] == [200, 200, 429]
+    refused = post(app, CHAT)
+    assert refused.headers["Retry-After"] == "10"  # one request per 10 s
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert app.state.limiter.refused["rate"] == 2 and no_leftovers(app)
+
+
+def test_concurrent_generations_per_client() -> None:
+    app = make(ApiLimits(max_concurrent_per_client=1))
+    app.state.limiter.acquire("ip:127.0.0.1")  # a generation of this client is in flight
+    refused = post(app, CHAT | {"stream": True})
+    assert refused.status_code == 429 and "in flight" in refused.json()["error"]["message"]
+    app.state.limiter.release("ip:127.0.0.1")
+    assert post(app, CHAT | {"stream": True}).status_code == 200
+    failing = post(app, CHAT | {"max_tokens": 10_000})  # refused by the model's context
+    assert failing.status_code == 400
+    assert no_leftovers(app)  # every slot was given back, on success and on failure
+
+
+def test_api_keys_with_the_openai_client() -> None:
+    app = make(access=AccessConfig(api_keys=("client-key-0001",)))
+
+    def ask(key: str) -> str:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh")
+        client = openai.AsyncOpenAI(api_key=key, base_url="http://mesh/v1", http_client=http)
+        answer = run(client.completions.create(model="fake", prompt="abc", max_tokens=3))
+        return answer.choices[0].text
+
+    with pytest.raises(openai.AuthenticationError):
+        ask("not-the-key")
+    assert ask("client-key-0001") == "def"
+    assert no_leftovers(app)
+
+
+def test_a_hop_at_its_session_limit_is_a_429_for_the_client() -> None:
+    app = make()
+    full = app.state.runners["a"]
+
+    def refuse(meta: object, hidden: object) -> object:
+        raise LimitError("this node holds 64 sessions, its limit; retry later", retry_after_s=1)
+
+    full.forward = refuse
+    response = post(app, CHAT)
+    assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+    assert "64 sessions" in response.json()["error"]["message"]
+    assert no_leftovers(app)
