@@ -160,13 +160,13 @@ def test_chat_loop_keeps_the_conversation(mesh: Mesh) -> None:
 def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: Mesh) -> None:
     """Its API has a key: the real `openai` client is refused without it, served with it."""
     messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
-    stranger = openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key="wrong-key-123", timeout=60)
-    with pytest.raises(openai.AuthenticationError):
-        stranger.chat.completions.create(model="default", messages=messages)
-    client = openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key=API_KEY, timeout=120)
-    raw = client.chat.completions.with_raw_response.create(
-        model="default", messages=messages, temperature=0
-    )
+    other = openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key="wrong-key-1", timeout=60)
+    with other, pytest.raises(openai.AuthenticationError):
+        other.chat.completions.create(model="default", messages=messages)
+    with openai.OpenAI(base_url=f"{mesh.entry}/v1", api_key=API_KEY, timeout=120) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="default", messages=messages, temperature=0
+        )
     answer = raw.http_response.json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
     route = answer["meshnet"]["route"]
