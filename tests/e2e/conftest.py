@@ -19,6 +19,7 @@ def mesh(
         # the end-to-end tests compare with these: load them while the processes start
         request.getfixturevalue("smollm_reference")
         request.getfixturevalue("smollm_tokenizer")
+        mesh.start_nodes()
         mesh.wait_whole(300)
         yield mesh
     finally:

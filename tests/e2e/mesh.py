@@ -56,14 +56,22 @@ class Mesh:
             + ["--swarm-key-file", str(self.key_file)],
         )
         self.env["MESHNET_SWARM_KEY"] = self.join_key()
-        for name in NODES:
-            port = free_port()
-            self.addresses[name] = f"http://127.0.0.1:{port}"
-            self.launch(name, self.node_args(port, name) + ["--budget", BUDGET])
         port = free_port()
         self.entry = f"http://127.0.0.1:{port}"
         entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY]
         self.launch("entry", self.node_args(port, "entry") + entry)
+
+    def start_nodes(self) -> None:
+        """The plain nodes, once both copies of 0:10 (the entries') are registered: the
+        planner then gives all four nodes spans after 0:10, whatever order they join in."""
+        wait_for(lambda: self.entry in self.registered(), 120, "the second entry node")
+        for name in NODES:
+            port = free_port()
+            self.addresses[name] = f"http://127.0.0.1:{port}"
+            self.launch(name, self.node_args(port, name) + ["--budget", BUDGET])
+
+    def registered(self) -> set[str]:
+        return {n["address"] for n in self.coverage()["nodes"]}
 
     def join_key(self) -> str:
         """The swarm key from the join command the tracker printed (checked against its URL)."""

@@ -33,7 +33,7 @@ def members(mesh: Mesh) -> set[tuple[str, str]]:
 
 
 def test_the_tracker_made_a_private_key_and_strangers_cannot_join(mesh: Mesh) -> None:
-    mesh.wait_whole()  # the failover tests restart nodes; wait until they are all back
+    mesh.wait_whole()  # runs before the failover tests, which leave nodes stopped
     assert stat.S_IMODE(mesh.key_file.stat().st_mode) == 0o600
     key = mesh.env["MESHNET_SWARM_KEY"]
     assert mesh.key_file.read_text().strip() == key  # the printed command names this key
