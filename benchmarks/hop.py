@@ -3,8 +3,10 @@
     python benchmarks/hop.py          # 2,000 round trips
     python benchmarks/hop.py --tiny   # 50 (what the tests run)
 
-The node runs `EchoRunner` (no model) under uvicorn in its own process; the client is one
-`httpx.AsyncClient` with keep-alive. Round-trip time is all framework, wire codec and TCP.
+The node runs `EchoRunner` (no model) under uvicorn in its own process; the client keeps
+its connection alive. Round-trip time is all framework, wire codec and TCP. The `signed` rows
+run against a second node that requires swarm-key proofs (ADR-0017), the client signing each
+frame: their difference from the unsigned aiohttp rows is the cost of membership.
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ import aiohttp
 import httpx
 import torch
 
+from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
 
 SERVER = """
 import sys, uvicorn
+from meshnet.config import AccessConfig
 from meshnet.node.app import create_app
 from meshnet.node.runner import EchoRunner
 from meshnet.types import LayerSpan, ModelId
-app = create_app(EchoRunner(ModelId("default"), LayerSpan(0, 10), max_sessions=8))
+access = AccessConfig(swarm_key=sys.argv[2] if len(sys.argv) > 2 else None)
+app = create_app(EchoRunner(ModelId("default"), LayerSpan(0, 10), max_sessions=8), access=access)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
+
+
+KEY = "hop-benchmark-swarm-key"
 
 
 def free_port() -> int:
@@ -43,7 +51,7 @@ def free_port() -> int:
 async def round_trips(url: str, count: int, hidden: int, client_name: str) -> list[float]:
     """Seconds per hop: encode, POST, read, decode, on one kept-alive connection."""
     x = torch.randn(1, 1, hidden)
-    session = SessionId(f"hop-{client_name}-{hidden}")
+    session = SessionId(f"hop-{client_name.replace(' ', '-')}-{hidden}")
     metas = [FrameMeta(session, ModelId("default"), LayerSpan(0, 10), p) for p in range(count)]
     samples = []
     if client_name == "httpx":
@@ -57,13 +65,14 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
                 decode(response.headers, response.content)
                 samples.append(time.perf_counter() - start)
         return samples
+    signer = Signer(KEY if client_name == "aiohttp signed" else None)
     async with aiohttp.ClientSession(url) as client_session:
         for meta in metas:
             start = time.perf_counter()
             frame = encode(x, meta)
-            async with client_session.post(
-                "/forward", headers=frame.headers, data=bytes(frame.body)
-            ) as reply:
+            body = bytes(frame.body)
+            headers = frame.headers | signer.headers("POST", "/forward", body)
+            async with client_session.post("/forward", headers=headers, data=body) as reply:
                 decode(reply.headers, await reply.read())
             samples.append(time.perf_counter() - start)
     return samples
@@ -84,16 +93,19 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     count = 50 if args.tiny else 2000
-    port = free_port()
+    port, signed_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
-    url = f"http://127.0.0.1:{port}"
+    signed = subprocess.Popen([sys.executable, "-c", SERVER, str(signed_port), KEY])
+    urls = {"aiohttp": f"http://127.0.0.1:{port}", "httpx": f"http://127.0.0.1:{port}"}
+    urls["aiohttp signed"] = f"http://127.0.0.1:{signed_port}"
     try:
-        wait_ready(url)
+        for url in urls.values():
+            wait_ready(url)
         print("| client | frame | round trips | median ms | p90 ms |")
         print("|---|---|---:|---:|---:|")
-        for client_name in ("aiohttp", "httpx"):
+        for client_name in ("aiohttp", "aiohttp signed", "httpx"):
             for hidden in (576, 16384):
-                runs = asyncio.run(round_trips(url, count, hidden, client_name))
+                runs = asyncio.run(round_trips(urls[client_name], count, hidden, client_name))
                 samples = sorted(runs[count // 10 :])  # the first tenth warms up
                 print(
                     f"| {client_name} | [1, 1, {hidden}] decode step | {count} | "
@@ -101,8 +113,9 @@ def main() -> None:
                     f"{samples[int(len(samples) * 0.9)] * 1e3:.3f} |"
                 )
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        for process in (server, signed):
+            process.terminate()
+            process.wait(timeout=10)
 
 
 if __name__ == "__main__":

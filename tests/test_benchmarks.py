@@ -33,7 +33,7 @@ def test_wire_benchmark_prints_a_table() -> None:
 
 def test_hop_benchmark_prints_round_trips() -> None:
     rows = [line for line in run_tiny("hop.py").splitlines() if "decode step" in line]
-    assert len(rows) == 4 and all(float(row.split("|")[4]) > 0 for row in rows)
+    assert len(rows) == 6 and all(float(row.split("|")[4]) > 0 for row in rows)
 
 
 def test_planner_benchmark_prints_plan_times() -> None:

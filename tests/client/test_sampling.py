@@ -77,3 +77,18 @@ def test_sampled_token_is_always_among_the_kept_ones(
     assert 0 <= token < len(logits)
     if top_k:
         assert scores[token] >= torch.topk(scores, min(top_k, len(logits))).values[-1]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    logits = torch.tensor([1.0, 30.0, 2.0, 0.0])
+    params = SamplingParams(temperature=temperature, top_k=2, top_p=0.5)
+    assert sample(logits, params, torch.Generator().manual_seed(0)) == 1
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
+    logits = torch.zeros(50)
+    logits[7] = 0.5
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert sample(logits, params, torch.Generator().manual_seed(0)) == 7

@@ -49,7 +49,7 @@ class Sampling(Schema):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch's seed range
     stop: (
         str
         | Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=MAX_STOPS)]

@@ -25,7 +25,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     scores = logits.float().reshape(-1)
     if params.temperature <= 0.0:
         return int(torch.argmax(scores))
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if not bool(torch.isfinite(scaled).all()):  # a temperature so small it overflows: greedy
+        return int(torch.argmax(scores))
+    scores = scaled
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -41,6 +44,7 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
     # drop a token when the tokens before it already reach top_p (the top token always stays)
     drop = (cumulative - torch.softmax(ordered, dim=-1)) >= top_p
+    drop[0] = False  # also when top_p rounds to 0 in float32 (e.g. 5e-324)
     return scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
 
 
