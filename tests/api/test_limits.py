@@ -57,6 +57,7 @@ def no_leftovers(app: FastAPI) -> bool:
             "messages",
         ),
         (ApiLimits(max_body_bytes=200), CHAT | {"user": "u" * 200}, 413, "body"),
+        (ApiLimits(), CHAT | {"seed": 2**70}, 400, "seed"),  # beyond torch's seed range
     ],
 )
 def test_request_limits(
