@@ -9,6 +9,7 @@ import re
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from meshnet import __version__
 from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
@@ -201,9 +202,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         budget_bytes=args.budget,
         data_dir=args.data_dir,
         entry=args.entry,
-        max_sessions=args.max_sessions,
-        max_cache_bytes=args.max_kv_cache,
-        session_ttl_s=args.session_ttl,
+        **node_limits(args),
     )
 
 
@@ -214,10 +213,17 @@ def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
         quant=args.quant,
         budget_bytes=args.budget,
         data_dir=args.data_dir,
-        max_sessions=args.max_sessions,
-        max_cache_bytes=args.max_kv_cache,
-        session_ttl_s=args.session_ttl,
+        **node_limits(args),
     )
+
+
+def node_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The node-limit flags as `NodeConfig` fields (nodes and the tracker's own span)."""
+    return {
+        "max_sessions": args.max_sessions,
+        "max_cache_bytes": args.max_kv_cache,
+        "session_ttl_s": args.session_ttl,
+    }
 
 
 def access_config(args: argparse.Namespace, create_key: bool) -> tuple[AccessConfig, str]:

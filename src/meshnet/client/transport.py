@@ -22,7 +22,7 @@ from meshnet.errors import HopError, MeshError, WireError
 from meshnet.node.runner import ShardRunner
 from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, NodeId, SessionId
-from meshnet.wire import FrameMeta, decode, encode
+from meshnet.wire import FrameMeta, decode, encode, require_finite
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +84,9 @@ class HttpTransport:
                 body = await response.read()
                 if response.status != 200:
                     raise hop_error(hop, response.status, body)
-                return checked_output(hop, *decode(response.headers, body, self.limits))
+                return checked_output(hop, response.headers, body, self.limits)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
-        except WireError as exc:  # the hop answered 200 with a frame we cannot use
-            raise HopError(
-                f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop
-            ) from exc
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         path = f"/sessions/{session}"
@@ -109,18 +105,22 @@ class HttpTransport:
             await self._client.close()
 
 
-def checked_output(hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-    """A hop's output, refused (`WireError`) when it is not what we asked that hop for.
+def checked_output(
+    hop: Hop, headers: Mapping[str, str], body: bytes, limits: WireLimits = WireLimits()
+) -> torch.Tensor:
+    """A hop's answer decoded; a retryable `HopError` when it is not what we asked for.
 
-    Non-finite values are the sign of a faulty node (bad weights, broken kernels, bad
-    hardware): failing over to another copy beats passing garbage on to the user.
+    A malformed frame, one for other layers, or non-finite values are signs of a faulty node
+    (bad weights, broken kernels, bad hardware): failing over to another copy beats passing
+    garbage on to the user.
     """
-    if meta.span != hop.span:
-        raise WireError(
-            f"the frame is for layers {meta.span}, not {hop.span}", field="X-Meshnet-Layers"
-        )
-    if not bool(torch.isfinite(hidden).all()):
-        raise WireError("the activations hold NaN or Inf values", field="body")
+    try:
+        meta, hidden = decode(headers, body, limits)
+        if meta.span != hop.span:
+            raise WireError(f"the frame is for layers {meta.span}, not {hop.span}")
+        require_finite(hidden)
+    except WireError as exc:
+        raise HopError(f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop) from exc
     return hidden
 
 
@@ -161,12 +161,7 @@ class InProcessTransport:
                 hop=hop,
             ) from exc
         back = encode(out, meta, self.wire)
-        try:
-            return checked_output(hop, *decode(back.headers, bytes(back.body)))
-        except WireError as exc:
-            raise HopError(
-                f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop
-            ) from exc
+        return checked_output(hop, back.headers, bytes(back.body))
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         self.closed.append((hop.address, session))

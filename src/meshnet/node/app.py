@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
-import torch
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -33,7 +32,7 @@ from meshnet.node.runner import ShardRunner
 from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import LayerSpan, SessionId, is_valid_id
-from meshnet.wire import decode, encode
+from meshnet.wire import decode, encode, require_finite
 from meshnet.wire import headers as h
 
 log = logging.getLogger(__name__)
@@ -111,8 +110,7 @@ class NodeService:
     async def forward(self, request: Request) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         meta, hidden = decode(request.headers, body, self.limits)
-        if not bool(torch.isfinite(hidden).all()):  # poison must not reach a cache
-            raise WireError("the activations hold NaN or Inf values", field="body")
+        require_finite(hidden)  # poison must not reach a cache
         runner = self.runners.get((meta.model, meta.span))
         if runner is None:
             served = ", ".join(f"{m} {s}" for m, s in sorted(self.runners)) or "nothing yet"

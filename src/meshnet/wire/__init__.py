@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from meshnet.wire.frame import Encoded as Encoded
     from meshnet.wire.frame import decode as decode
     from meshnet.wire.frame import encode as encode
+    from meshnet.wire.frame import require_finite as require_finite
     from meshnet.wire.frame import tensor_bytes as tensor_bytes
     from meshnet.wire.headers import WIRE_VERSION as WIRE_VERSION
     from meshnet.wire.headers import FrameMeta as FrameMeta
@@ -29,6 +30,7 @@ _HOME = {
     "Encoded": "frame",
     "decode": "frame",
     "encode": "frame",
+    "require_finite": "frame",
     "tensor_bytes": "frame",
     "WIRE_VERSION": "headers",
     "FrameMeta": "headers",
@@ -42,6 +44,7 @@ __all__ = [
     "decode",
     "encode",
     "next_chunk_state",
+    "require_finite",
     "split_prefill",
     "tensor_bytes",
 ]

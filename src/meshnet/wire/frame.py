@@ -97,3 +97,9 @@ def payload_to_tensor(raw: bytes | bytearray, shape: tuple[int, int, int]) -> to
     """Little-endian bf16 bytes -> a `shape` tensor that owns its memory (one copy at most)."""
     owned = raw if isinstance(raw, bytearray) else bytearray(raw)  # torch needs a writable buffer
     return torch.frombuffer(owned, dtype=torch.bfloat16).view(shape)
+
+
+def require_finite(hidden: torch.Tensor) -> None:
+    """Refuse (`WireError`) activations holding NaN or Inf: a faulty sender, never a value."""
+    if not bool(torch.isfinite(hidden).all()):
+        raise WireError("the activations hold NaN or Inf values", field="body")
