@@ -58,7 +58,7 @@ def test_no_source_file_outgrows_400_lines() -> None:
 
 
 def test_no_print_in_library_code() -> None:
-    allowed = {"cli.py", "demo.py", "terminal.py"}  # the terminal front ends
+    allowed = {"cli.py", "demo.py", "terminal.py", "status.py"}  # the terminal front ends
     offenders = [
         str(p.relative_to(SRC))
         for p in SRC.rglob("*.py")

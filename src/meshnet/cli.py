@@ -14,7 +14,9 @@ from typing import Any
 from meshnet import __version__
 from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
 from meshnet.errors import MeshError
+from meshnet.observe.logs import configure as configure_logging
 from meshnet.security.keys import join_command, resolve_api_keys, resolve_swarm_key
+from meshnet.status import run_status
 from meshnet.terminal import GenerateOptions, run_chat, run_generate
 
 
@@ -24,10 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run language models too big for one machine across many machines.",
     )
     parser.add_argument("--version", action="version", version=f"meshnet {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_log_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the demo on the embedded default model")
     demo.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    demo.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="after the answer, keep the mesh up (dashboard, chat) until Ctrl-C",
+    )
     node = sub.add_parser("node", help="serve a span of a model's layers")
     node.add_argument(
         "--model",
@@ -92,7 +99,31 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             client.add_argument("prompt", help="the prompt (a user message unless --raw)")
             client.add_argument("--raw", action="store_true", help="complete the prompt as text")
+    status = sub.add_parser("status", help="show a tracker's coverage map and nodes")
+    status.add_argument("--tracker", default="http://127.0.0.1:8000", help="the tracker's URL")
+    status.add_argument(
+        "--api-key",
+        default=os.environ.get("MESHNET_API_KEY"),
+        help="an API key of the tracker (default: $MESHNET_API_KEY; none needed on loopback)",
+    )
+    status.add_argument("--swarm-key-file", help="sign with this swarm key file instead")
+    for command in sub.choices.values():
+        add_log_flags(command, defaults=False)
     return parser
+
+
+def add_log_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """Log flags, accepted before or after the command (after wins)."""
+    level: Any = "INFO" if defaults else argparse.SUPPRESS
+    fmt: Any = "text" if defaults else argparse.SUPPRESS
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-level", default=level, help="logging level (default INFO)")
+    group.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=fmt,
+        help="text lines, or one JSON object a line for machines (default text)",
+    )
 
 
 def add_access_flags(parser: argparse.ArgumentParser) -> None:
@@ -251,6 +282,17 @@ def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
     print(f"meshnet tracker: join this mesh with:\n  {command}", flush=True)
 
 
+def status_swarm_key(args: argparse.Namespace) -> str | None:
+    """A swarm key to sign `status` with, when this machine has one (never created here)."""
+    if args.api_key:
+        return None
+    try:
+        key, _ = resolve_swarm_key(None, args.swarm_key_file, create=False)
+    except MeshError:
+        return None
+    return key
+
+
 def generate_options(args: argparse.Namespace) -> GenerateOptions:
     return GenerateOptions(
         model=args.model,
@@ -278,10 +320,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
+    configure_logging(args.log_level, args.log_format)
     if args.command is None:
         parser.print_help()
         return 0
@@ -296,11 +335,13 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from meshnet.demo import run_demo
 
-        return run_demo(max_tokens=args.max_tokens)
+        return run_demo(max_tokens=args.max_tokens, keep_running=args.keep_running)
     if args.command == "generate":
         return run_generate(args.tracker, args.prompt, generate_options(args))
     if args.command == "chat":
         return run_chat(args.tracker, generate_options(args))
+    if args.command == "status":
+        return run_status(args.tracker, args.api_key, status_swarm_key(args))
     if args.command == "node":
         return run_node(args)
     access, origin = access_config(args, create_key=True)

@@ -27,6 +27,7 @@ import httpx
 
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import resolve
+from meshnet.observe.progress import progress
 from meshnet.security.keys import create_key_file
 from meshnet.terminal import ApiError, events
 
@@ -102,28 +103,37 @@ def launch(workdir: Path) -> tuple[str, list[Child]]:
 
 
 def wait_for_coverage(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
-    """Print coverage as it fills in; return once a full route exists."""
+    """Show coverage as it fills in (a bar on a terminal, else a line per change); return
+    once a full route exists."""
     deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.process.poll() is not None:
-                tail = child.log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{child.name} exited early; its log ends:\n{tail}")
-        line, ready = coverage_line(url)
-        if line != last:
-            print(line, flush=True)
+    live = sys.stdout.isatty()
+    with progress(
+        "layers served", resolve("default").spec.num_layers, live=live, out=sys.stdout
+    ) as bar:
+        while time.monotonic() < deadline:
+            for child in children:
+                if child.process.poll() is not None:
+                    tail = child.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{child.name} exited early; its log ends:\n{tail}")
+            line, served, ready = coverage_line(url)
+            bar.update(served)
+            if line != last and not live:
+                print(line, flush=True)
             last = line
-        if ready:
-            return
-        time.sleep(0.5)
+            if ready:
+                if live:
+                    print(line, flush=True)
+                return
+            time.sleep(0.5)
     raise RuntimeError(f"coverage incomplete after {timeout_s:.0f} s")
 
 
-def coverage_line(url: str) -> tuple[str, bool]:
+def coverage_line(url: str) -> tuple[str, int, bool]:
+    """A line on the coverage, the layers served, and whether a full route exists."""
     try:
         body = httpx.get(f"{url}/v1/coverage", timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
-        return "waiting for the tracker to load its layers and start...", False
+        return "waiting for the tracker to load its layers and start...", 0, False
     model = body["models"][0]
     bar = "".join(
         "#" if layer["serving"] else ("+" if layer["loading"] else ".") for layer in model["layers"]
@@ -133,7 +143,7 @@ def coverage_line(url: str) -> tuple[str, bool]:
         f"coverage [{bar}] {served}/{model['num_layers']} layers served "
         f"({bar.count('+')} loading, {len(body['nodes'])} nodes)"
     )
-    return text, bool(model["routable"])
+    return text, served, bool(model["routable"])
 
 
 def ask(url: str, max_tokens: int) -> dict[str, Any]:
@@ -176,7 +186,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(max_tokens: int = 32) -> int:
+def run_demo(max_tokens: int = 32, keep_running: bool = False) -> int:
     # Ctrl-C and SIGTERM both stop the mesh, even where a parent started us with SIGINT
     # ignored (background jobs of a non-interactive shell are).
     signal.signal(signal.SIGINT, _interrupt)
@@ -186,9 +196,14 @@ def run_demo(max_tokens: int = 32) -> int:
     children: list[Child] = []
     try:
         url, children = launch(workdir)
-        print(f"tracker and API: {url} (coverage map: {url}/v1/coverage)", flush=True)
+        print(f"tracker and API: {url}", flush=True)
+        print(f"dashboard: {url}/ (open it in a browser while the demo runs)", flush=True)
         wait_for_coverage(url, children)
         report(ask(url, max_tokens))
+        if keep_running:
+            print(f"\nthe mesh keeps running: dashboard {url}/ , `meshnet status --tracker {url}`,")
+            print(f"`meshnet chat --tracker {url}`; Ctrl-C stops it", flush=True)
+            signal.pause()
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the mesh", flush=True)

@@ -28,9 +28,12 @@ def error_response(exc: MeshError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.http_status, headers=exc.headers())
 
 
-async def _mesh_error(_: Request, exc: Exception) -> Response:
+async def _mesh_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MeshError)  # registered for MeshError only
     log.info("refused request: %s (%s)", exc.message, type(exc).__name__)
+    metrics = getattr(request.app.state, "metrics", None)  # observe.metrics.Metrics
+    if metrics is not None:
+        metrics.errors.labels(type(exc).__name__).inc()
     return error_response(exc)
 
 

@@ -12,16 +12,19 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from meshnet.client.codec import TextCodec
-from meshnet.client.pipeline import Pipeline
+from meshnet.client.pipeline import Pipeline, PipelineSession
 from meshnet.client.sampling import SamplingParams, make_generator, sample
 from meshnet.client.stops import scan
 from meshnet.client.transport import Hop
 from meshnet.errors import RequestError
+from meshnet.observe.logs import current_session
+from meshnet.observe.metrics import Metrics
+from meshnet.tracker import messages as msg
 
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
@@ -63,12 +66,20 @@ class Generator:
     """Turns prompts into text through one model's pipeline."""
 
     def __init__(
-        self, pipeline: Pipeline, codec: TextCodec, max_context: int, rng: random.Random
+        self,
+        pipeline: Pipeline,
+        codec: TextCodec,
+        max_context: int,
+        rng: random.Random,
+        metrics: Metrics | None = None,
+        on_end: Callable[[msg.RequestSummary], object] = lambda summary: None,
     ) -> None:
         self.pipeline = pipeline
         self.codec = codec
         self.max_context = max_context  # prompt + generated tokens, at most
         self.rng = rng  # seeds requests that give none
+        self.metrics = metrics or Metrics()
+        self.on_end = on_end  # gets a summary of every request, finished or failed
 
     @property
     def model(self) -> str:
@@ -89,36 +100,81 @@ class Generator:
         """Text deltas, then one `Finished`; the session is closed on every hop at the end."""
         self.check(prompt, params)
         started = time.perf_counter()
-        session = await self.pipeline.open()
-        route = ", ".join(str(h) for h in session.hops) or "no remote hops"
-        log.info("session %s: %d prompt tokens; route %s", session.id, len(prompt), route)
+        session: PipelineSession | None = None
+        end: Finished | None = None
+        error = "the client went away"
         try:
-            logits = await self.pipeline.feed(session, prompt)
-            state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
-            while True:
-                token = sample(logits, params.sampling, state.generator)
-                state.first_s = state.first_s or time.perf_counter() - started
-                delta = state.accept(token, self.codec, params)
-                if delta:
-                    yield Delta(delta)
-                if state.reason is not None:
-                    break
-                logits = await self.pipeline.feed(session, [token])
-            yield Finished(
-                state.reason,
-                len(prompt),
-                len(state.generated),
-                [self.pipeline.entry_hop, *session.hops],
-                state.first_s,
-                time.perf_counter() - started - state.first_s,
-                state.generated,
-                session.failover_pauses_s,
-            )
+            session = await self.pipeline.open()
+            current_session.set(session.id)  # every later line of this request names it
+            route = ", ".join(str(h) for h in session.hops) or "no remote hops"
+            log.info("%d prompt tokens; route %s", len(prompt), route)
+            async for event in self._generate(session, prompt, params, started):
+                end = event if isinstance(event, Finished) else None
+                yield event
+        except Exception as exc:  # recorded for the dashboard, then raised on unchanged
+            error = getattr(exc, "message", None) or repr(exc)
+            raise
         finally:
-            # Shielded: a client that went away cancels this task, and Starlette's (anyio's)
-            # cancellation would otherwise hit every await of the clean-up too.
-            await asyncio.shield(self.pipeline.close(session))
-            log.info("session %s closed", session.id)
+            if session is not None:
+                # Shielded: a client that went away cancels this task, and Starlette's
+                # (anyio's) cancellation would otherwise hit every await of the clean-up too.
+                await asyncio.shield(self.pipeline.close(session))
+                log.info("closed")
+            self._report(session, len(prompt), end, error, time.perf_counter() - started)
+
+    async def _generate(
+        self, session: PipelineSession, prompt: list[int], params: GenerationParams, started: float
+    ) -> AsyncGenerator[Event]:
+        logits = await self.pipeline.feed(session, prompt)
+        state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
+        tokens = self.metrics.tokens_generated.labels(self.model)
+        while True:
+            token = sample(logits, params.sampling, state.generator)
+            state.first_s = state.first_s or time.perf_counter() - started
+            delta = state.accept(token, self.codec, params)
+            tokens.inc(token not in self.codec.eos_token_ids)
+            if delta:
+                yield Delta(delta)
+            if state.reason is not None:
+                break
+            logits = await self.pipeline.feed(session, [token])
+        yield Finished(
+            state.reason,
+            len(prompt),
+            len(state.generated),
+            [self.pipeline.entry_hop, *session.hops],
+            state.first_s,
+            time.perf_counter() - started - state.first_s,
+            state.generated,
+            session.failover_pauses_s,
+        )
+
+    def _report(
+        self,
+        session: PipelineSession | None,
+        prompt_tokens: int,
+        end: Finished | None,
+        error: str,
+        duration_s: float,
+    ) -> None:
+        """Count the request and hand its summary to `on_end` (the dashboard's feed)."""
+        outcome = end.reason if end is not None else "error"
+        self.metrics.requests.labels(self.model, outcome).inc()
+        if session is None and end is None:
+            log.warning("request failed before it had a session: %s", error)
+        summary = msg.RequestSummary(
+            session=session.id if session else "none",
+            model=self.model,
+            outcome=outcome,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=end.completion_tokens if end else 0,
+            duration_s=round(duration_s, 4),
+            time_to_first_token_s=round(end.first_token_s, 4) if end else 0.0,
+            decode_tokens_per_s=round(end.decode_tokens_per_s, 2) if end else 0.0,
+            failovers=len(session.failover_pauses_s) if session else 0,
+            error="" if end else error[:500],
+        )
+        self.on_end(summary)
 
 
 @dataclass

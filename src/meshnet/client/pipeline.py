@@ -24,6 +24,7 @@ from meshnet.client.transport import Hop, Transport
 from meshnet.config import RetryPolicy, WireConfig
 from meshnet.errors import HopError
 from meshnet.node.runner import ShardRunner
+from meshnet.observe.metrics import Metrics
 from meshnet.types import ModelId, NodeId, SessionId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
 
@@ -82,6 +83,7 @@ class Pipeline:
         entry_id: str = "entry",
         retry: RetryPolicy = RetryPolicy(),
         local_chunk_tokens: int = 2048,
+        metrics: Metrics | None = None,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -96,6 +98,7 @@ class Pipeline:
         self.local_chunk_tokens = local_chunk_tokens
         self.retry = retry
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
+        self.metrics = metrics or Metrics()
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span."""
@@ -150,6 +153,7 @@ class Pipeline:
                 if not exc.retryable:
                     raise
                 await failover(self, session, k, exc)
+                self.metrics.failovers.inc()
                 continue
             session.inputs[k].append(hidden)
             hidden, k = out, k + 1

@@ -20,9 +20,11 @@ import torch
 from meshnet.config import WireConfig, WireLimits
 from meshnet.errors import HopError, MeshError, WireError
 from meshnet.node.runner import ShardRunner
+from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
+from meshnet.wire.headers import ENCODING
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,10 @@ class HttpTransport:
         limits: WireLimits = WireLimits(),
         timeout_s: float = 60.0,
         signer: Signer | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.wire = wire
+        self.metrics = metrics or Metrics()
         self.limits = limits
         self.signer = signer or Signer(None)  # proves swarm membership to every hop
         # a dead host fails fast at connect; a slow prefill chunk may take up to timeout_s
@@ -77,6 +81,7 @@ class HttpTransport:
         frame = encode(hidden, meta, self.wire)
         data = bytes(frame.body)
         headers = frame.headers | self.signer.headers("POST", "/forward", data)
+        self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
         try:
             async with self._session().post(
                 f"{hop.address}/forward", data=data, headers=headers
@@ -84,7 +89,10 @@ class HttpTransport:
                 body = await response.read()
                 if response.status != 200:
                     raise hop_error(hop, response.status, body)
-                return checked_output(hop, response.headers, body, self.limits)
+                output = checked_output(hop, response.headers, body, self.limits)
+                received = response.headers.get(ENCODING, "none")
+                self.metrics.bytes_received.labels(received).inc(len(body))
+                return output
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
 

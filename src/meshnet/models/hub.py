@@ -14,6 +14,7 @@ from typing import Any
 from meshnet.errors import ModelError
 from meshnet.models import registry
 from meshnet.models.source import ModelSource
+from meshnet.observe.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ def hub_source(repo_id: str, cache_dir: Path | None) -> ModelSource:
 def fetch_weight_files(source: ModelSource, files: set[str], cache_dir: Path | None) -> None:
     """Make sure each named safetensors file of `source` is in the cache."""
     assert source.repo_id is not None
-    for file in sorted(files):
-        if _fetch(source.repo_id, file, cache_dir) is None:
-            raise ModelError(
-                f"{source.repo_id}: weight file {file} is neither cached nor reachable on the hub"
-            )
+    with progress(f"fetching {source.repo_id} weight files", len(files)) as task:
+        for file in sorted(files):
+            if _fetch(source.repo_id, file, cache_dir) is None:
+                raise ModelError(
+                    f"{source.repo_id}: weight file {file} is neither cached nor reachable "
+                    "on the hub"
+                )
+            task.advance()

@@ -21,6 +21,7 @@ from meshnet.models import quantize
 from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsCheckpoint
 from meshnet.models.shard import Head, Shard
 from meshnet.models.source import ModelSource, layer_tensor_names
+from meshnet.observe.progress import progress
 from meshnet.types import LayerSpan
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,11 @@ def load_shard(
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
     config = source.arch.hf_config(source.spec, source.raw_config)
     checkpoint = checkpoint or open_checkpoint(source, span)
-    layers = nn.ModuleList(
-        load_layer(source, config, checkpoint, index, local, quant)
-        for local, index in enumerate(span)
-    )
-    log.info("loaded %s layers %s at %s", source.model_id, span, quant)
+    layers = nn.ModuleList()
+    with progress(f"loading {source.model_id} layers {span} ({quant})", len(span)) as task:
+        for local, index in enumerate(span):
+            layers.append(load_layer(source, config, checkpoint, index, local, quant))
+            task.advance()
     return Shard(
         source.arch,
         config,
@@ -157,7 +158,8 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> Any:
     cached = root / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    with progress(f"converting {source.path.name}'s vocabulary to a tokenizer (once)"):
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     _save_atomically(tokenizer, cached)
     return tokenizer
 

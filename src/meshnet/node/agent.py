@@ -107,14 +107,18 @@ class NodeAgent:
         if not self.registered:
             await self._register()
             return
+        # at most MAX_REQUESTS (a bounded deque); lost if this beat fails: they are for display
+        finished = [self.service.finished.popleft() for _ in range(len(self.service.finished))]
         beat = msg.HeartbeatRequest(
             node_id=self.registration.node_id,
             loaded=self.loaded(),
             loading=[msg.ShardRef(model=m, span=s) for m, s in self.loading],
             failed=self.failed,
             sessions=self.service.session_count(),
+            requests=finished,
         )
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
+
         if response.status_code == 404:
             log.info("the tracker does not know this node (restarted?); registering again")
             self.registered = False

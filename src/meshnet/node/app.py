@@ -6,12 +6,16 @@ Every route but `/health` needs a swarm-key proof (the access guard, ADR-0017).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
+import torch
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -29,10 +33,13 @@ from meshnet.errors import (
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.runner import ShardRunner
+from meshnet.observe.logs import session_context
+from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.swarm import SwarmKey, challenge_proof
+from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, SessionId, is_valid_id
-from meshnet.wire import decode, encode, require_finite
+from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire import headers as h
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,7 @@ class NodeService:
         limits: WireLimits,
         wire: WireConfig,
         max_sessions: int = 64,
+        metrics: Metrics | None = None,
     ) -> None:
         self.runners: dict[tuple[str, LayerSpan], ShardRunner] = {}
         for runner in runners:
@@ -90,6 +98,15 @@ class NodeService:
         self.node_id = "unregistered"  # answered to the tracker's identity probe
         self.swarm_key: SwarmKey | None = None  # proves membership in that answer
         self.refused_sessions = 0  # new sessions refused by `max_sessions`
+        self.metrics = metrics or Metrics()
+        self.metrics.on_scrape(self._sample)
+        # generations this entry finished, not yet told to the tracker (heartbeats carry them)
+        self.finished: deque[msg.RequestSummary] = deque(maxlen=msg.MAX_REQUESTS)
+
+    def _sample(self) -> None:
+        runners = list(self.runners.values())
+        self.metrics.sessions_active.set(sum(r.session_count() for r in runners))
+        self.metrics.kv_cache_bytes.set(sum(r.cache_bytes() for r in runners))
 
     def add(self, runner: ShardRunner) -> None:
         self.runners[(runner.model, runner.span)] = runner
@@ -105,12 +122,25 @@ class NodeService:
         async with self.lock:
             if inline:
                 return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+            context = contextvars.copy_context()  # the worker's log lines name our session
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.worker, context.run, fn, *args)
 
     async def forward(self, request: Request) -> Response:
+        started = time.perf_counter()
         body = await read_body(request, self.limits.max_body_bytes)
         meta, hidden = decode(request.headers, body, self.limits)
+        encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
+        self.metrics.bytes_received.labels(encoding).inc(len(body))
         require_finite(hidden)  # poison must not reach a cache
+        with session_context(meta.session):
+            response = await self._run(meta, hidden)
+        sent_encoding = response.headers.get(h.ENCODING, "none")
+        self.metrics.bytes_sent.labels(sent_encoding).inc(len(response.body))
+        self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)
+        return response
+
+    async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> Response:
         runner = self.runners.get((meta.model, meta.span))
         if runner is None:
             served = ", ".join(f"{m} {s}" for m, s in sorted(self.runners)) or "nothing yet"
@@ -174,6 +204,7 @@ def access_rules(limits: WireLimits) -> list[Rule]:
         rule("/forward", "swarm", max_body_bytes=limits.max_body_bytes),
         rule("/sessions", "swarm"),
         rule("/v1/identity", "swarm"),
+        rule("/metrics", "swarm", "client"),  # Prometheus: an API key as bearer token
     ]
 
 
@@ -199,8 +230,15 @@ def create_app(
     app = Starlette(middleware=[Middleware(WireVersionHeader), guard], lifespan=lifespan)
     install_error_handlers(app)
     add_node_routes(app, service)
+    add_metrics_route(app, service.metrics)
     app.add_route("/health", service.health, methods=["GET"])
     return app
+
+
+def add_metrics_route(app: Starlette, metrics: Metrics) -> None:
+    """`GET /metrics` (Prometheus text) and the errors counter of the one error mapper."""
+    app.state.metrics = metrics
+    app.add_route("/metrics", metrics.endpoint, methods=["GET"], include_in_schema=False)
 
 
 def add_node_routes(app: Starlette, service: NodeService) -> None:

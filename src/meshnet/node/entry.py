@@ -45,10 +45,11 @@ from meshnet.models.loader import load_head, load_tokenizer
 from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
-from meshnet.node.app import NodeService, add_node_routes
+from meshnet.node.app import NodeService, add_metrics_route, add_node_routes
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.serve import load_runner, registration, run_server, tracker_client
 from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey
 from meshnet.tracker.app import create_app as create_tracker_app
@@ -139,8 +140,16 @@ def make_generator(
         service.wire,
         entry_id,
         retry=entry.retry,
+        metrics=service.metrics,
     )
-    return Generator(pipeline, model.codec, model.max_context, random.Random(entry.seed))
+    return Generator(
+        pipeline,
+        model.codec,
+        model.max_context,
+        random.Random(entry.seed),
+        metrics=service.metrics,
+        on_end=service.finished.append,  # the agent's next heartbeat tells the tracker
+    )
 
 
 def agent_lifespan(
@@ -171,10 +180,16 @@ def agent_lifespan(
 
 
 def entry_service(
-    config: NodeConfig, model: EntryModel, request: RegisterRequest, access: AccessConfig
+    config: NodeConfig,
+    model: EntryModel,
+    request: RegisterRequest,
+    access: AccessConfig,
+    metrics: Metrics | None = None,
 ) -> NodeService:
     """The node side of an entry: its own span behind `/forward`, answering probes as itself."""
-    service = NodeService([model.runner], WireLimits(), WireConfig(), config.max_sessions)
+    service = NodeService(
+        [model.runner], WireLimits(), WireConfig(), config.max_sessions, metrics=metrics
+    )
     service.node_id = request.node_id
     service.swarm_key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None
     return service
@@ -195,7 +210,10 @@ def build_entry_app(
     request = registration(replace(config, budget_bytes=entry_budget(config, span)))
     service = entry_service(config, model, request, access)
     transport = HttpTransport(
-        service.wire, timeout_s=entry.hop_timeout_s, signer=Signer(access.swarm_key)
+        service.wire,
+        timeout_s=entry.hop_timeout_s,
+        signer=Signer(access.swarm_key),
+        metrics=service.metrics,
     )
     if config.tracker_url is None:
         if span.end < model.num_layers:
@@ -212,6 +230,7 @@ def build_entry_app(
         extra_rules=node_rules(service.limits),
     )
     add_node_routes(app, service)
+    add_metrics_route(app, service.metrics)
     app.add_route("/health", service.health, methods=["GET"])
     if config.tracker_url is not None:
         url = config.tracker_url
@@ -235,12 +254,14 @@ def build_tracker_node_app(
     span = entry_span(node)
     model = load_entry_model(node, span)
     request = registration(replace(node, budget_bytes=entry_budget(node, span)))
-    service = entry_service(node, model, request, access)
+    service = entry_service(node, model, request, access, registry.metrics)
     rules = [*node_rules(service.limits), *api_rules(limits)]
     prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)
     app = create_tracker_app(registry, tracker, prober=prober, access=access, extra_rules=rules)
     add_node_routes(app, service)  # other entry nodes may route through our span
-    transport = HttpTransport(service.wire, timeout_s=entry.hop_timeout_s, signer=signer)
+    transport = HttpTransport(
+        service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
+    )
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
     generator = make_generator(model, service, routes, transport, entry, request.node_id)
     app.include_router(api_router({model.model_id: generator}, entry.default_max_tokens, limits))

@@ -28,6 +28,10 @@ class ShardRunner(Protocol):
 
     def session_count(self) -> int: ...
 
+    def cache_bytes(self) -> int:
+        """Bytes held by all its sessions' KV caches."""
+        ...
+
 
 class EchoRunner:
     """A fake runner: returns its input, but keeps the session contract of a real one.
@@ -62,3 +66,6 @@ class EchoRunner:
 
     def session_count(self) -> int:
         return len(self._sessions)
+
+    def cache_bytes(self) -> int:
+        return 0  # it keeps no activations

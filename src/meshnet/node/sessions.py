@@ -174,4 +174,6 @@ class SessionStore:
         return len(self._sessions)
 
     def total_bytes(self) -> int:
-        return sum(s.cache_bytes for s in self._sessions.values())
+        # list() copies in one step: a scrape on the event loop may run while the worker
+        # thread commits a prefill chunk
+        return sum(s.cache_bytes for s in list(self._sessions.values()))

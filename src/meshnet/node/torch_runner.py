@@ -73,3 +73,6 @@ class TorchShardRunner:
 
     def session_count(self) -> int:
         return len(self.sessions)
+
+    def cache_bytes(self) -> int:
+        return self.sessions.total_bytes()

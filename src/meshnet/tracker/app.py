@@ -11,8 +11,11 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 from fastapi import FastAPI, Query
+from starlette.responses import FileResponse
+from starlette.staticfiles import StaticFiles
 
 from meshnet import __version__
 from meshnet.config import AccessConfig, TrackerConfig
@@ -26,6 +29,7 @@ from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
 
 log = logging.getLogger(__name__)
+DASHBOARD = Path(__file__).parent / "dashboard"  # static files: no build step
 
 
 def access_rules() -> list[Rule]:
@@ -33,6 +37,9 @@ def access_rules() -> list[Rule]:
         rule("/v1/nodes", "swarm", max_body_bytes=256 * KiB),
         rule("/v1/route", "swarm"),
         rule("/v1/coverage", "swarm", "client"),
+        rule("/metrics", "swarm", "client"),
+        rule("/"),  # the dashboard page and its files hold no data: they read /v1/coverage
+        rule("/dashboard"),
     ]
 
 
@@ -52,12 +59,16 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_expire_loop(registry, config.heartbeat_interval_s / 2))
+        task = asyncio.create_task(watch(registry, prober, config.heartbeat_interval_s / 10))
         yield
         task.cancel()
 
     app = FastAPI(title="meshnet tracker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.state.metrics = registry.metrics
+    registry.metrics.on_scrape(lambda: _sample(registry))
+    app.add_route("/metrics", registry.metrics.endpoint, methods=["GET"], include_in_schema=False)
+    app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     rules = [*access_rules(), *extra_rules]
     app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
     app.add_middleware(WireVersionHeader)
@@ -105,6 +116,11 @@ def create_app(
             raise RequestError(f"exclude holds invalid node ids: {bad[:3]}", field="exclude")
         return views.route(registry, model, start, rng, end, banned)
 
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        """The live dashboard: coverage picture, nodes, requests and directives."""
+        return FileResponse(DASHBOARD / "index.html")
+
     @app.get("/health")
     def health() -> dict[str, object]:
         return {
@@ -117,7 +133,21 @@ def create_app(
     return app
 
 
-async def _expire_loop(registry: Registry, every_s: float) -> None:
+async def watch(registry: Registry, prober: Prober, every_s: float) -> None:
+    """Expire silent nodes; check at once that a node overdue for a heartbeat still listens.
+
+    A killed process refuses connections: it is dropped (and its spans re-planned) about one
+    heartbeat interval after its last beat instead of after `dead_after_s`.
+    """
     while True:
         await asyncio.sleep(every_s)
         registry.expire()
+        for node_id in registry.to_check():
+            record = registry.nodes.get(node_id)
+            if record is not None:
+                registry.gone(node_id, await prober.reachable(record.request.address))
+
+
+def _sample(registry: Registry) -> None:
+    for model, layers in views.layers_covered(registry).items():
+        registry.metrics.layers_covered.labels(model).set(layers)

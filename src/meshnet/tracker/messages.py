@@ -16,6 +16,8 @@ Quant = Literal["fp32", "bf16", "int8", "nf4"]
 Op = Literal["LOAD_SHARD", "DROP_SHARD"]
 MAX_BYTES = 1 << 60  # a budget beyond an exabyte is a typo or an attack
 MAX_SHARDS = 256  # shards one node may list
+MAX_REQUESTS = 64  # finished generations one heartbeat may report
+NodeState = Literal["ready", "loading", "idle", "late", "suspect"]
 ModelName = Annotated[str, Field(pattern=ID_PATTERN)]
 
 
@@ -68,12 +70,28 @@ class RegisterResponse(Message):
     directives: list[DirectiveMessage]
 
 
+class RequestSummary(Message):
+    """One generation an entry node finished (or failed), for the dashboard."""
+
+    session: str = Field(pattern=ID_PATTERN)
+    model: str = Field(pattern=ID_PATTERN)
+    outcome: Literal["stop", "length", "error"]
+    prompt_tokens: int = Field(ge=0, le=1 << 31)
+    completion_tokens: int = Field(ge=0, le=1 << 31)
+    duration_s: float = Field(ge=0, le=1e7, allow_inf_nan=False)
+    time_to_first_token_s: float = Field(ge=0, le=1e7, allow_inf_nan=False)
+    decode_tokens_per_s: float = Field(ge=0, le=1e9, allow_inf_nan=False)
+    failovers: int = Field(ge=0, le=1 << 20, default=0)
+    error: str = Field(default="", max_length=500)
+
+
 class HeartbeatRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     loading: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     failed: list[ShardFailure] = Field(default=[], max_length=MAX_SHARDS)
     sessions: int = Field(ge=0, le=1 << 31, default=0)
+    requests: list[RequestSummary] = Field(default=[], max_length=MAX_REQUESTS)
 
 
 class HeartbeatResponse(Message):
@@ -116,12 +134,33 @@ class NodeSummary(Message):
     sessions: int
     last_heartbeat_age_s: float
     suspect: bool = False  # reported failing by an entry node; out of routes until it beats
+    state: NodeState = "ready"
+
+
+class IssuedDirective(Message):
+    """A directive the tracker issued, to whom, why, and how long ago."""
+
+    node_id: str
+    op: Op
+    model: str
+    span: LayerSpan
+    reason: str
+    age_s: float
+
+
+class RecentRequest(RequestSummary):
+    """A finished generation as the tracker shows it: which entry ran it, how long ago."""
+
+    entry: str
+    age_s: float
 
 
 class CoverageResponse(Message):
     models: list[ModelCoverage]
     nodes: list[NodeSummary]
-    recent_directives: list[DirectiveMessage]
+    recent_directives: list[IssuedDirective]
+    recent_requests: list[RecentRequest] = []
+    heartbeat_interval_s: float = 2.0
 
 
 class RouteHop(Message):

@@ -25,6 +25,11 @@ class Prober(Protocol):
         """Return when `address` answers as `node_id` with a valid proof; else `ProbeError`."""
         ...
 
+    async def reachable(self, address: str) -> bool:
+        """False only when nothing listens at `address` (connection refused): the process
+        is gone. A slow or odd answer counts as reachable; heartbeat expiry handles those."""
+        ...
+
 
 class HttpProber:
     """Probes over HTTP with a signed request; a short timeout keeps registration quick."""
@@ -57,6 +62,11 @@ class HttpProber:
             raise ProbeError(
                 f"{address} refused the tracker's probe ({response.status_code})", field="address"
             )
+        self._check_answer(node_id, address, challenge, answer)
+
+    def _check_answer(
+        self, node_id: str, address: str, challenge: str, answer: dict[str, object]
+    ) -> None:
         key = self.signer.key
         expected = challenge_proof(key, challenge, node_id) if key else ""
         if answer.get("node_id") != node_id or answer.get("proof") != expected:
@@ -64,15 +74,29 @@ class HttpProber:
                 f"{address} does not answer as node {node_id} with a valid proof", field="address"
             )
 
+    async def reachable(self, address: str) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=0.5, transport=self.transport) as http:
+                await http.get(f"{address}/health")
+        except httpx.ConnectError:
+            return False
+        except httpx.HTTPError:
+            return True
+        return True
+
 
 class TrustingProber:
     """The fake: every node is reachable (in-process tests with made-up addresses)."""
 
     def __init__(self) -> None:
         self.probed: list[tuple[str, str]] = []
+        self.gone: set[str] = set()  # addresses that refuse connections, as a killed process
 
     async def probe(self, node_id: str, address: str) -> None:
         self.probed.append((node_id, address))
+
+    async def reachable(self, address: str) -> bool:
+        return address not in self.gone
 
 
 class OwnNodeTrusted:
@@ -91,3 +115,6 @@ class OwnNodeTrusted:
     async def probe(self, node_id: str, address: str) -> None:
         if (node_id, address) != self.own:
             await self.inner.probe(node_id, address)
+
+    async def reachable(self, address: str) -> bool:
+        return address == self.own[1] or await self.inner.reachable(address)

@@ -12,12 +12,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshnet.errors import MeshError
+from meshnet.observe.metrics import Metrics
 from meshnet.tracker import messages as msg
 from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
 from meshnet.types import LayerSpan, ModelId, NodeId
 
 log = logging.getLogger(__name__)
 Key = tuple[ModelId, LayerSpan]
+LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
+CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
 
 
 class UnknownNodeError(MeshError):
@@ -40,6 +43,7 @@ class NodeRecord:
     pending: list[Directive] = field(default_factory=list)  # not yet delivered
     sessions: int = 0
     suspect: bool = False  # an entry node reported it failing; out of routes until it beats
+    checked_s: float = 0.0  # when the tracker last checked that it still listens
 
     def view(self) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
@@ -67,13 +71,19 @@ class Registry:
         *,
         dead_after_s: float,
         clock: Callable[[], float],
+        heartbeat_interval_s: float | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.offers = {o.model: o for o in offers}
         self.sources = sources  # model id -> what nodes pass to their loader
         self.dead_after_s = dead_after_s
+        self.interval_s = heartbeat_interval_s or dead_after_s / 3
         self.clock = clock
+        self.metrics = metrics or Metrics()
         self.nodes: dict[NodeId, NodeRecord] = {}
-        self.recent: deque[Directive] = deque(maxlen=50)
+        self.recent: deque[tuple[float, Directive]] = deque(maxlen=50)  # (issued at, directive)
+        # (received at, entry node, summary) of the generations entry nodes finished
+        self.requests: deque[tuple[float, NodeId, msg.RequestSummary]] = deque(maxlen=50)
 
     def validate(self, request: msg.RegisterRequest) -> None:
         """Refuse (400) a registration naming models or spans this tracker does not offer."""
@@ -117,6 +127,7 @@ class Registry:
         record.assigned = (record.assigned & (reported | undelivered)) - record.failed
         record.sessions = beat.sessions
         record.suspect = False  # it is alive: routes may use it again
+        self.requests.extend((record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests)
         self.replan()
         return self._deliver(NodeId(beat.node_id))
 
@@ -146,6 +157,36 @@ class Registry:
             self.replan()
         return dead
 
+    def to_check(self) -> list[NodeId]:
+        """Nodes overdue for a heartbeat and not checked since it fell due (see `gone`)."""
+        now = self.clock()
+        return overdue(
+            {n: (r.last_seen_s, r.checked_s) for n, r in self.nodes.items()},
+            now,
+            self.interval_s,
+        )
+
+    def gone(self, node_id: NodeId, checked: bool) -> None:
+        """The result of checking an overdue node: nothing listens (`checked` False) -> dead now."""
+        record = self.nodes.get(node_id)
+        if record is None:
+            return
+        record.checked_s = self.clock()
+        if not checked:
+            log.warning("node %s missed a heartbeat and refuses connections: dead", node_id)
+            del self.nodes[node_id]
+            self.replan()
+
+    def state(self, record: NodeRecord, now: float) -> msg.NodeState:
+        """What the dashboard says of a node (`late`: one heartbeat clearly missed)."""
+        if record.suspect:
+            return "suspect"
+        if now - record.last_seen_s > LATE_AFTER_BEATS * self.interval_s:
+            return "late"
+        if record.assigned - record.loaded:
+            return "loading"
+        return "ready" if record.loaded else "idle"
+
     def replan(self) -> None:
         """Run the planner; queue each new directive for its node."""
         views = [r.view() for r in self.nodes.values()]
@@ -158,7 +199,8 @@ class Registry:
                 record.loaded.discard(key)
                 record.assigned.discard(key)
             record.pending.append(directive)
-            self.recent.append(directive)
+            self.recent.append((self.clock(), directive))
+            self.metrics.directives.labels(directive.op).inc()
             log.info(
                 "%s %s %s to %s: %s",
                 directive.op,
@@ -187,6 +229,21 @@ class Registry:
             )
         return ModelId(ref.model), ref.span
 
+    def issued(self) -> list[msg.IssuedDirective]:
+        """The directives issued lately, oldest first, with their ages."""
+        now = self.clock()
+        return [
+            msg.IssuedDirective(
+                node_id=d.node_id,
+                op=d.op,
+                model=d.model,
+                span=d.span,
+                reason=d.reason,
+                age_s=round(now - at, 3),
+            )
+            for at, d in self.recent
+        ]
+
     def to_message(self, directive: Directive) -> msg.DirectiveMessage:
         return msg.DirectiveMessage(
             op=directive.op,
@@ -195,3 +252,17 @@ class Registry:
             span=directive.span,
             reason=directive.reason,
         )
+
+
+def overdue(
+    beats: dict[NodeId, tuple[float, float]], now_s: float, interval_s: float
+) -> list[NodeId]:
+    """Nodes to check: no heartbeat for `CHECK_AFTER_BEATS` intervals, and not checked since.
+
+    `beats` maps each node to (its last heartbeat, its last check), both in clock seconds.
+    """
+    return [
+        node
+        for node, (seen_s, checked_s) in beats.items()
+        if now_s - seen_s > CHECK_AFTER_BEATS * interval_s and checked_s <= seen_s
+    ]

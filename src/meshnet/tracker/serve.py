@@ -41,7 +41,13 @@ def build_registry(config: TrackerConfig) -> Registry:
             model.num_layers,
             model.layer_bytes["fp32"],
         )
-    return Registry(offers, sources, dead_after_s=config.dead_after_s, clock=time.monotonic)
+    return Registry(
+        offers,
+        sources,
+        dead_after_s=config.dead_after_s,
+        clock=time.monotonic,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+    )
 
 
 def serve(config: TrackerConfig, access: AccessConfig) -> None:

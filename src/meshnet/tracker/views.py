@@ -6,10 +6,10 @@ import random
 
 from meshnet.errors import RequestError, RouteError, UnknownModelError
 from meshnet.tracker import messages as msg
-from meshnet.tracker.planner import gaps
+from meshnet.tracker.planner import ModelOffer, gaps
 from meshnet.tracker.registry import Registry
 from meshnet.tracker.routing import Server, choose_route
-from meshnet.types import ModelId
+from meshnet.types import LayerSpan, ModelId, NodeId
 
 
 def servers(
@@ -53,30 +53,16 @@ def route(
 
 
 def coverage(registry: Registry) -> msg.CoverageResponse:
+    """The coverage map, node table, and recent directives and generations.
+
+    Layers count as served only by nodes that are neither suspect nor late (a missed
+    heartbeat): the map shows a killed node's gap before its heartbeats expire.
+    """
     now = registry.clock()
-    models = []
-    for model_id, offer in sorted(registry.offers.items()):
-        serving: list[list[str]] = [[] for _ in range(offer.num_layers)]
-        loading: list[list[str]] = [[] for _ in range(offer.num_layers)]
-        for node_id, r in sorted(registry.nodes.items()):
-            for m, span in r.loaded | r.assigned:
-                if m == model_id and not r.suspect:
-                    target = serving if (m, span) in r.loaded else loading
-                    for layer in span:
-                        target[layer].append(node_id)
-        live = servers(registry, model_id)
-        models.append(
-            msg.ModelCoverage(
-                model=model_id,
-                num_layers=offer.num_layers,
-                layers=[
-                    msg.LayerCoverage(layer=i, serving=serving[i], loading=loading[i])
-                    for i in range(offer.num_layers)
-                ],
-                gaps=gaps(offer.num_layers, [(s.span, 1.0) for s in live]),
-                routable=_routable(offer.model, offer.num_layers, live),
-            )
-        )
+    states = {n: registry.state(r, now) for n, r in registry.nodes.items()}
+    models = [
+        _model_coverage(registry, offer, states) for _, offer in sorted(registry.offers.items())
+    ]
     nodes = [
         msg.NodeSummary(
             node_id=n,
@@ -89,14 +75,53 @@ def coverage(registry: Registry) -> msg.CoverageResponse:
             sessions=r.sessions,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
             suspect=r.suspect,
+            state=states[n],
         )
         for n, r in sorted(registry.nodes.items())
+    ]
+    requests = [
+        msg.RecentRequest(**summary.model_dump(), entry=entry, age_s=round(now - at, 3))
+        for at, entry, summary in registry.requests
     ]
     return msg.CoverageResponse(
         models=models,
         nodes=nodes,
-        recent_directives=[registry.to_message(d) for d in registry.recent],
+        recent_directives=registry.issued(),
+        recent_requests=requests,
+        heartbeat_interval_s=registry.interval_s,
     )
+
+
+def _model_coverage(
+    registry: Registry, offer: ModelOffer, states: dict[NodeId, msg.NodeState]
+) -> msg.ModelCoverage:
+    serving: list[list[str]] = [[] for _ in range(offer.num_layers)]
+    loading: list[list[str]] = [[] for _ in range(offer.num_layers)]
+    for node_id, r in sorted(registry.nodes.items()):
+        if states[node_id] in ("late", "suspect"):
+            continue
+        for m, span in r.loaded | r.assigned:
+            if m == offer.model:
+                target = serving if (m, span) in r.loaded else loading
+                for layer in span:
+                    target[layer].append(node_id)
+    served = [(LayerSpan(i, i + 1), 1.0) for i in range(offer.num_layers) if serving[i]]
+    return msg.ModelCoverage(
+        model=offer.model,
+        num_layers=offer.num_layers,
+        layers=[
+            msg.LayerCoverage(layer=i, serving=serving[i], loading=loading[i])
+            for i in range(offer.num_layers)
+        ],
+        gaps=gaps(offer.num_layers, served),
+        routable=_routable(offer.model, offer.num_layers, servers(registry, offer.model)),
+    )
+
+
+def layers_covered(registry: Registry) -> dict[str, int]:
+    """Layers of each model served by a live node (the `meshnet_layers_covered` gauge)."""
+    report = coverage(registry)
+    return {m.model: sum(1 for layer in m.layers if layer.serving) for m in report.models}
 
 
 def _routable(model: ModelId, num_layers: int, live: list[Server]) -> bool:

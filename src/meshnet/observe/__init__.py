@@ -1,0 +1,1 @@
+"""Seeing a running mesh: Prometheus metrics, session-tagged logs, progress of long work."""
