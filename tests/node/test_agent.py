@@ -89,3 +89,28 @@ def test_node_id_survives_a_restart(tmp_path: object) -> None:
     folder = Path(str(tmp_path)) / "data"
     first = node_id(folder)
     assert first == node_id(folder) and first.startswith("node-")
+
+
+def test_heartbeats_carry_the_finished_requests_once() -> None:
+    summary = msg.RequestSummary(
+        session="s-1",
+        model="m",
+        outcome="length",
+        prompt_tokens=3,
+        completion_tokens=5,
+        duration_s=0.1,
+        time_to_first_token_s=0.01,
+        decode_tokens_per_s=50.0,
+    )
+
+    async def scenario() -> None:
+        registry, client = tracker()
+        node = agent(client, "a", 100)
+        await settle(node, beats=1)  # registered
+        node.service.finished.append(summary)
+        await settle(node, beats=2)  # the second beat has nothing new to tell
+        assert [(entry, r) for _, entry, r in registry.requests] == [("a", summary)]
+        assert not node.service.finished
+        await client.aclose()
+
+    run(scenario())

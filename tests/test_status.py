@@ -1,0 +1,43 @@
+"""`meshnet status`: the coverage map and node table as a terminal shows them."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from meshnet.status import layer_bar, render, run_status
+from tests.tracker.test_app import beat, register
+from tests.tracker.test_observe import Tracker
+
+
+def text_of(coverage: dict[str, object]) -> str:
+    console = Console(record=True, width=200)
+    console.print(render(coverage, "http://tracker:8000"))
+    return console.export_text()
+
+
+def test_layer_bar_shows_copies_loading_and_gaps() -> None:
+    model = {
+        "layers": [{"serving": ["a", "b"], "loading": []}, {"serving": ["a"], "loading": []}]
+        + [{"serving": [], "loading": ["c"]}, {"serving": [], "loading": []}]
+    }
+    assert layer_bar(model).plain == "21~."
+
+
+def test_status_shows_each_model_bar_and_every_node() -> None:
+    tracker = Tracker()
+    register(tracker.client, "a", 110)  # told to load 0:11
+    register(tracker.client, "bb", 400, loaded=[{"model": "m", "span": {"start": 11, "end": 30}}])
+    text = text_of(tracker.coverage())
+    assert "m            ~~~~~~~~~~~1111111111111111111  19/30 layers served  gaps 0:11" in text
+    assert "NOT routable" in text
+    for expected in ("a ", "loading", "bb", "ready", "m 11:30", "m 0:11 (loading)"):
+        assert expected in text
+    beat(tracker.client, "a", [{"model": "m", "span": {"start": 0, "end": 11}}])
+    text = text_of(tracker.coverage())
+    assert "30/30 layers served  no gaps  routable" in text
+
+
+def test_an_unreachable_tracker_is_one_clear_line_and_exit_status_1() -> None:
+    console = Console(record=True, width=200)
+    assert run_status("http://127.0.0.1:9", None, None, console) == 1
+    assert "meshnet status: http://127.0.0.1:9:" in console.export_text()
