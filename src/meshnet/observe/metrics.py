@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 log = logging.getLogger(__name__)
-disable_created_metrics()  # `*_created` timestamps double the output and say little here
+# `*_created` timestamps double the output and say little here
+disable_created_metrics()  # type: ignore[no-untyped-call]
 # /forward handling on a CPU: ~1 ms for a decode step, up to seconds for a prefill chunk
 FORWARD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
