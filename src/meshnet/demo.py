@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,26 +106,32 @@ def launch(workdir: Path) -> tuple[str, list[Child]]:
 def wait_for_coverage(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
     """Show coverage as it fills in (a bar on a terminal, else a line per change); return
     once a full route exists."""
-    deadline, last = time.monotonic() + timeout_s, ""
     live = sys.stdout.isatty()
-    with progress(
-        "layers served", resolve("default").spec.num_layers, live=live, out=sys.stdout
-    ) as bar:
-        while time.monotonic() < deadline:
-            for child in children:
-                if child.process.poll() is not None:
-                    tail = child.log.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{child.name} exited early; its log ends:\n{tail}")
-            line, served, ready = coverage_line(url)
-            bar.update(served)
-            if line != last and not live:
-                print(line, flush=True)
-            last = line
-            if ready:
-                if live:
-                    print(line, flush=True)
-                return
-            time.sleep(0.5)
+    layers = resolve("default").spec.num_layers
+    with progress("layers served", layers, live=live, out=sys.stdout) as bar:
+        line = poll_coverage(url, children, timeout_s, bar.update, echo=not live)
+    if live:
+        print(line, flush=True)  # the final state, below the finished bar
+
+
+def poll_coverage(
+    url: str, children: list[Child], timeout_s: float, served: Callable[[int], None], echo: bool
+) -> str:
+    """Poll until a full route exists (its coverage line) or a child dies (RuntimeError)."""
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.process.poll() is not None:
+                tail = child.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{child.name} exited early; its log ends:\n{tail}")
+        line, count, ready = coverage_line(url)
+        served(count)
+        if line != last and echo:
+            print(line, flush=True)
+        last = line
+        if ready:
+            return line
+        time.sleep(0.5)
     raise RuntimeError(f"coverage incomplete after {timeout_s:.0f} s")
 
 

@@ -4,8 +4,9 @@ A tracker-as-entry-node (layers 0:10, fp32) and four nodes of ten fp32 layers ea
 planner covers 10:20 and 20:30 first, then adds replicas (the span with the fewest copies
 first), so every span has two copies.
 Every route is three hops, `0:10 -> 10:20 -> 20:30`. Besides, a second entry point started
-with `meshnet node --entry`, whose API needs an API key. Tests that kill nodes restart them
-and wait for the copies to come back, so later tests find the mesh whole.
+with `meshnet node --entry`, whose API needs an API key and which logs JSON lines. Tests that
+kill nodes restart them and wait for the copies to come back, so later tests find the mesh
+whole.
 
 Membership as a user sets it up: the tracker starts with no key, creates its key file and
 prints the join command; every node is started with the environment that command names.
@@ -58,7 +59,7 @@ class Mesh:
         self.env["MESHNET_SWARM_KEY"] = self.join_key()
         port = free_port()
         self.entry = f"http://127.0.0.1:{port}"
-        entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY]
+        entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY, "--log-format", "json"]
         self.launch("entry", self.node_args(port, "entry") + entry)
 
     def start_nodes(self) -> None:

@@ -7,6 +7,7 @@ two heartbeat intervals. Both come back and the mesh is whole again for the late
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from selenium.webdriver import Chrome
 
 from tests.e2e.browser import chromium
-from tests.e2e.mesh import Mesh
+from tests.e2e.mesh import API_KEY, Mesh
 from tests.e2e.procs import wait_for
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,25 @@ def test_metrics_of_the_tracker_and_a_node_after_a_request(mesh: Mesh) -> None:
         > 0
     )
     assert metric(node, "meshnet_sessions_active") >= 0
+
+
+def test_an_entry_logging_json_names_the_session_on_its_lines(mesh: Mesh) -> None:
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 4}
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+    answer = httpx.post(f"{mesh.entry}/v1/completions", json=body, headers=bearer, timeout=120)
+    assert answer.status_code == 200, answer.text
+
+    def lines() -> list[dict[str, object]]:
+        text = (mesh.folder / "entry.log").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    wait_for(lambda: any(line["message"] == "closed" for line in lines()), 10, "the close line")
+    opened = [line for line in lines() if "prompt tokens; route" in str(line["message"])]
+    closed = [line for line in lines() if line["message"] == "closed"]
+    assert opened and closed
+    assert str(opened[-1]["session"]).startswith("s-")
+    assert opened[-1]["session"] == closed[-1]["session"]
+    assert {"time", "level", "logger", "message"} <= set(opened[-1])
 
 
 def test_status_command_prints_the_map_and_every_node(mesh: Mesh) -> None:

@@ -39,6 +39,7 @@ def test_demo_answers_through_three_processes_and_stops_them() -> None:
     assert len({node for _, node in route}) == 3
     assert re.search(r"decode [\d.]+ tokens/s", out)
     assert "30/30 layers served" in out
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/ ", out, re.M)
     pids = child_pids(out)
     assert len(pids) == 3 and not any(alive(p) for p in pids)
 
