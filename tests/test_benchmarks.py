@@ -64,3 +64,10 @@ def test_pipeline_benchmark_prints_ratios() -> None:
         line for line in run_tiny("pipeline.py", 400).splitlines() if line.startswith("| 1 hop")
     ]
     assert len(rows) == 1 and float(rows[0].split("|")[3]) > 0  # the decode ratio
+
+
+@pytest.mark.slow
+def test_decode_benchmark_prints_both_paths() -> None:
+    out = run_tiny("decode.py", 400)
+    rows = [line for line in out.splitlines() if line.startswith("| meshnet 1 node")]
+    assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)

@@ -173,6 +173,13 @@ def add_node_limit_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--session-ttl", type=float, default=default.session_ttl_s, help="idle seconds"
     )
+    parser.add_argument(
+        "--no-fast-path",
+        "--no-compile",
+        dest="fast_path",
+        action="store_false",
+        help="run transformers' own layers instead of the fast decode path (for debugging)",
+    )
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +261,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "max_sessions": args.max_sessions,
         "max_cache_bytes": args.max_kv_cache,
         "session_ttl_s": args.session_ttl,
+        "fast_path": args.fast_path,
     }
 
 

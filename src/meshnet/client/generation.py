@@ -129,7 +129,9 @@ class Generator:
         state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
         tokens = self.metrics.tokens_generated.labels(self.model)
         while True:
-            token = sample(logits, params.sampling, state.generator)
+            token = await self.pipeline.executor.call(
+                False, sample, logits, params.sampling, state.generator
+            )
             state.first_s = state.first_s or time.perf_counter() - started
             delta = state.accept(token, self.codec, params)
             tokens.inc(token not in self.codec.eos_token_ids)

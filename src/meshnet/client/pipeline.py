@@ -30,7 +30,7 @@ from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-INLINE_MAX_TOKENS = 4  # decode steps run on the event loop; longer chunks on the worker thread
+INLINE_MAX_TOKENS = 0  # none: all model work runs on the compute thread (node/compute.py)
 
 
 class Executor(Protocol):

@@ -169,6 +169,11 @@ class LlamaFamily:
             )
         return hidden
 
+    def fast_path(self, layers: Any, config: Any, extras: Any) -> Any | None:
+        from meshnet.models.llama_fast import fast_span
+
+        return fast_span(layers, config, extras)
+
     def build_head(self, config: Any) -> Any:
         from torch import nn
 

@@ -97,8 +97,13 @@ def load_shard(
     span: LayerSpan,
     quant: str | None = None,
     checkpoint: Checkpoint | None = None,
+    fast: bool = True,
 ) -> Shard:
-    """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32)."""
+    """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32).
+
+    With `fast`, the architecture's fast path runs the layers where it can (ADR-0021); the
+    shard is warmed up (one prefill, one decode step) before it is returned.
+    """
     quant = quantize.check_quant(quant or quantize.default_quant())
     if span.end > source.spec.num_layers:
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
@@ -109,15 +114,25 @@ def load_shard(
         for local, index in enumerate(span):
             layers.append(load_layer(source, config, checkpoint, index, local, quant))
             task.advance()
-    return Shard(
-        source.arch,
-        config,
-        span,
-        layers,
-        source.arch.layer_extras(config),
-        quantize.compute_dtype(quant),
-        quant,
-    )
+    extras = source.arch.layer_extras(config)
+    shard = Shard(source.arch, config, span, layers, extras, quantize.compute_dtype(quant), quant)
+    if fast:
+        shard.fast = source.arch.fast_path(layers, config, extras)
+        why = "" if shard.fast else " (no fast path for this architecture or quantization)"
+        log.info("layers %s run %s%s", span, "the fast path" if shard.fast else "eagerly", why)
+    warm_up(shard)
+    return shard
+
+
+def warm_up(shard: Shard) -> None:
+    """One 2-token prefill and one decode step on a throwaway cache: first-call costs (kernel
+    selection, allocator growth) are paid before the node says it is ready."""
+    from meshnet.models.cache import new_cache
+
+    cache = new_cache()
+    width = int(shard.config.hidden_size)
+    shard.forward(torch.zeros(1, 2, width), cache, 0)
+    shard.forward(torch.zeros(1, 1, width), cache, 2)
 
 
 def load_head(

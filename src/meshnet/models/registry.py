@@ -72,6 +72,14 @@ class Architecture(Protocol):
         """Embeddings, final norm and LM head as one module."""
         ...
 
+    def fast_path(self, layers: Any, config: Any, extras: Any) -> Any | None:
+        """A faster runner of `layers` with `forward(hidden, cache, position)`, or None.
+
+        It must compute what `run_layers` computes (same dtype, same results within
+        rounding) over a `SpanCache`; None keeps transformers' layers (ADR-0021).
+        """
+        ...
+
 
 def register(arch: Architecture) -> Architecture:
     for model_type in arch.model_types:

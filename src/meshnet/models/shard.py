@@ -43,12 +43,18 @@ class Shard:
     extras: Any  # what the architecture's layers need besides the cache (rotary embedding)
     compute_dtype: torch.dtype
     quant: str
+    fast: Any = None  # the architecture's fast path (ADR-0021), or None: transformers' layers
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: Any, position: int) -> torch.Tensor:
-        """`hidden` [B, T, H] (any float) at `position` -> [B, T, H] bf16; appends to cache."""
+        """`hidden` [B, T, H] (any float) at `position` -> [B, T, H] bf16; appends to
+        `cache` (a `models.cache.SpanCache`)."""
         x = hidden.to(self.compute_dtype)
-        out = self.arch.run_layers(self.layers, x, cache, position, self.extras)
+        out: torch.Tensor
+        if self.fast is not None:
+            out = self.fast.forward(x, cache, position)
+        else:
+            out = self.arch.run_layers(self.layers, x, cache.as_dynamic(), position, self.extras)
         return out.to(torch.bfloat16)
 
     def weight_bytes(self) -> int:

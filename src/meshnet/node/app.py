@@ -11,7 +11,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -32,6 +31,7 @@ from meshnet.errors import (
     WireError,
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
+from meshnet.node.compute import compute_executor
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
@@ -63,18 +63,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-# Frames of at most this many tokens (decode steps) run on the event loop's own thread: a
-# thread hand-off costs ~0.2 ms on this 2-core machine, a large share of a loopback hop.
-# Longer frames (prefill chunks) go to the worker thread so the loop stays responsive.
-INLINE_MAX_TOKENS = 4
+# Frames of at most this many tokens would run on the event loop's own thread (a hand-off
+# costs ~0.2 ms here). None do: a second thread running torch ops costs a decode step far
+# more than the hand-off (see `node/compute.py`), so every frame goes to the compute thread.
+INLINE_MAX_TOKENS = 0
 
 
 class NodeService:
     """Binds the node's shard runners to HTTP.
 
     Runner calls are serialised by one lock (the runners share all cores; their sessions need
-    no locking of their own). Small frames run inline, larger ones on one dedicated worker
-    thread; anyio's pool (Starlette's `run_in_threadpool`) cost ~0.27 ms per call here.
+    no locking of their own) and run on one compute thread (`node/compute.py`); anyio's pool
+    (Starlette's `run_in_threadpool`) cost ~0.27 ms per call here.
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class NodeService:
         self.limits = limits
         self.wire = wire
         self.lock = asyncio.Lock()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        self.worker = compute_executor()
         self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
         self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
         self.max_sessions = max_sessions  # sessions of all shards together

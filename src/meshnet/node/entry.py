@@ -47,6 +47,7 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_metrics_route, add_node_routes
 from meshnet.node.app import access_rules as node_rules
+from meshnet.node.compute import pin_loop_thread
 from meshnet.node.serve import load_runner, registration, run_server, tracker_client
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.observe.metrics import Metrics
@@ -290,6 +291,7 @@ def build_tracker_node_app(
 def serve_entry(
     config: NodeConfig, entry: EntryConfig, access: AccessConfig, limits: ApiLimits
 ) -> None:
+    pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_entry_app(config, entry, access, limits)
     log.info("entry node listening on http://%s:%d (API under /v1)", config.host, config.port)
     run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
@@ -302,6 +304,7 @@ def serve_tracker_node(
     access: AccessConfig,
     limits: ApiLimits,
 ) -> None:
+    pin_loop_thread()
     app = build_tracker_node_app(tracker, node, entry, access, limits)
     log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
     uvicorn.run(app, host=tracker.host, port=tracker.port, log_level="warning")

@@ -23,6 +23,7 @@ from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent, node_id
 from meshnet.node.app import NodeService, create_app
+from meshnet.node.compute import pin_loop_thread
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.security.signing import Signer
 from meshnet.tracker import messages as msg
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 def load_runner(
     config: NodeConfig, model_id: str, source: str, span: LayerSpan
 ) -> TorchShardRunner:
-    shard = load_shard(resolve(source), span, config.quant)
+    shard = load_shard(resolve(source), span, config.quant, fast=config.fast_path)
     return TorchShardRunner(
         ModelId(model_id),
         shard,
@@ -152,6 +153,7 @@ def run_server(app: Starlette, service: NodeService, host: str, port: int, drain
 
 def serve(config: NodeConfig, access: AccessConfig) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
+    pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_app(config, access)
     log.info("node listening on http://%s:%d", config.host, config.port)
     run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
