@@ -73,9 +73,9 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
 
     cache = new_cache()
     shard.forward(prompt, cache, 0)
-    mono_cache = DynamicCache()
+    mono_cache = new_cache()  # its DynamicCache is what transformers' model gets
     with torch.inference_mode():
-        model(inputs_embeds=prompt, cache=mono_cache, use_cache=True)
+        model(inputs_embeds=prompt, cache=mono_cache.as_dynamic(), use_cache=True)
 
     def shard_step() -> object:  # crop back so every step sees the same cache length
         out = shard.forward(step, cache, tokens)
@@ -84,7 +84,7 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
 
     def mono_step() -> object:
         with torch.inference_mode():
-            out = model(inputs_embeds=step, cache=mono_cache, use_cache=True)
+            out = model(inputs_embeds=step, cache=mono_cache.as_dynamic(), use_cache=True)
         truncate(mono_cache, tokens)
         return out
 
