@@ -256,7 +256,8 @@ def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def node_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The node-limit flags as `NodeConfig` fields (nodes and the tracker's own span)."""
+    """The flags nodes and the tracker's own span share (limits, fast path) as `NodeConfig`
+    fields."""
     return {
         "max_sessions": args.max_sessions,
         "max_cache_bytes": args.max_kv_cache,

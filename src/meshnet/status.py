@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshnet.security.signing import Signer
+from meshnet.terminal import ApiError, check_response
 
 STATE_STYLE = {"ready": "green", "loading": "blue", "idle": "dim", "late": "yellow"}
 
@@ -22,19 +23,12 @@ STATE_STYLE = {"ready": "green", "loading": "blue", "idle": "dim", "late": "yell
 def fetch_coverage(
     url: str, api_key: str | None = None, swarm_key: str | None = None, timeout_s: float = 5.0
 ) -> dict[str, Any]:
-    """The tracker's coverage answer; raises `httpx.HTTPError` (with the server's words)."""
+    """The tracker's coverage answer; `ApiError` (the server's words) or `httpx.HTTPError`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     auth = Signer(swarm_key).auth() if swarm_key and not api_key else None
     with httpx.Client(base_url=url, timeout=timeout_s, headers=headers, auth=auth) as client:
         response = client.get("/v1/coverage")
-    if response.status_code != 200:
-        try:
-            reason = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            reason = response.text[:200]
-        raise httpx.HTTPStatusError(
-            f"{response.status_code}: {reason}", request=response.request, response=response
-        )
+    check_response(response)
     body: dict[str, Any] = response.json()
     return body
 
@@ -105,7 +99,7 @@ def run_status(
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     try:
         coverage = fetch_coverage(url, api_key, swarm_key)
-    except httpx.HTTPError as exc:
+    except (ApiError, httpx.HTTPError) as exc:
         console.print(f"[red]meshnet status: {url}: {exc}[/red]")
         return 1
     console.print(render(coverage, url))

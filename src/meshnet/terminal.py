@@ -40,7 +40,7 @@ def api_client(url: str, options: GenerateOptions) -> httpx.Client:
 
 def first_model(client: httpx.Client) -> str:
     response = client.get("/v1/models")
-    _check(response)
+    check_response(response)
     return str(response.json()["data"][0]["id"])
 
 
@@ -67,7 +67,7 @@ def events(client: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[di
     with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             response.read()
-            _check(response)
+            check_response(response)
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -77,7 +77,8 @@ def events(client: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[di
             yield event
 
 
-def _check(response: httpx.Response) -> None:
+def check_response(response: httpx.Response) -> None:
+    """Raise `ApiError` with the server's own message when `response` is an error."""
     if response.status_code >= 400:
         try:
             message = response.json()["error"]["message"]

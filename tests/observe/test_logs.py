@@ -64,7 +64,7 @@ def test_work_on_the_worker_thread_logs_under_the_callers_session() -> None:
 
     async def call() -> None:
         with session_context("s-worker"):
-            await service.call(False, work)  # the worker thread, not this one
+            await service.call(work)  # the worker thread, not this one
 
     asyncio.run(call())
     assert seen == ["s-worker"]

@@ -130,7 +130,7 @@ class Generator:
         tokens = self.metrics.tokens_generated.labels(self.model)
         while True:
             token = await self.pipeline.executor.call(
-                False, sample, logits, params.sampling, state.generator
+                sample, logits, params.sampling, state.generator
             )
             state.first_s = state.first_s or time.perf_counter() - started
             delta = state.accept(token, self.codec, params)

@@ -30,13 +30,14 @@ from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-INLINE_MAX_TOKENS = 0  # none: all model work runs on the compute thread (node/compute.py)
 
 
 class Executor(Protocol):
     """Runs model work one call at a time (the node's `NodeService` is one)."""
 
-    async def call(self, inline: bool, fn: Callable[..., T], *args: object) -> T: ...
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` alone, on the process's compute thread."""
+        ...
 
 
 class HeadLike(Protocol):
@@ -109,8 +110,7 @@ class Pipeline:
     async def feed(self, session: PipelineSession, ids: list[int]) -> torch.Tensor:
         """Run `ids` after the session's tokens; float32 logits [V] for the next token."""
         tokens = torch.tensor([ids], dtype=torch.long)
-        inline = len(ids) <= INLINE_MAX_TOKENS
-        hidden = await self.executor.call(inline, self.head.embed_tokens, tokens, session.position)
+        hidden = await self.executor.call(self.head.embed_tokens, tokens, session.position)
         hidden = await self._local(session, hidden)
         out = hidden
         for chunk in split_prefill(hidden, session.position, self.wire.chunk_tokens):
@@ -118,7 +118,7 @@ class Pipeline:
         session.position += len(ids)
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
-        logits = await self.executor.call(True, self.head.logits, out[:, -1:])
+        logits = await self.executor.call(self.head.logits, out[:, -1:])
         return logits[0, -1]
 
     async def _local(self, session: PipelineSession, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,8 +133,7 @@ class Pipeline:
             meta = FrameMeta(
                 session.id, self.model, self.local.span, piece.position, piece.index, piece.total
             )
-            inline = piece.hidden.shape[1] <= INLINE_MAX_TOKENS
-            outputs.append(await self.executor.call(inline, self.local.forward, meta, piece.hidden))
+            outputs.append(await self.executor.call(self.local.forward, meta, piece.hidden))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     async def _remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
@@ -161,5 +160,5 @@ class Pipeline:
 
     async def close(self, session: PipelineSession) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised)."""
-        await self.executor.call(True, self.local.drop, session.id)
+        await self.executor.call(self.local.drop, session.id)
         await asyncio.gather(*(self.transport.close_session(h, session.id) for h in session.hops))

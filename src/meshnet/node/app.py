@@ -63,12 +63,6 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-# Frames of at most this many tokens would run on the event loop's own thread (a hand-off
-# costs ~0.2 ms here). None do: a second thread running torch ops costs a decode step far
-# more than the hand-off (see `node/compute.py`), so every frame goes to the compute thread.
-INLINE_MAX_TOKENS = 0
-
-
 class NodeService:
     """Binds the node's shard runners to HTTP.
 
@@ -117,11 +111,13 @@ class NodeService:
     def session_count(self) -> int:
         return sum(r.session_count() for r in self.runners.values())
 
-    async def call(self, inline: bool, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` alone: on this thread when `inline`, else on the worker thread."""
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` alone, on the compute thread.
+
+        Never on the event loop's thread: a hand-off costs ~0.2 ms, a second thread running
+        torch ops costs a decode step 12+ ms (`node/compute.py`).
+        """
         async with self.lock:
-            if inline:
-                return fn(*args)
             context = contextvars.copy_context()  # the worker's log lines name our session
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.worker, context.run, fn, *args)
@@ -149,8 +145,7 @@ class NodeService:
             )
         if meta.position == 0:
             self._admit_session()
-        inline = hidden.shape[1] <= INLINE_MAX_TOKENS
-        out = await self.call(inline, runner.forward, meta, hidden)
+        out = await self.call(runner.forward, meta, hidden)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
@@ -178,7 +173,7 @@ class NodeService:
         session = SessionId(request.path_params["session"])
         if not is_valid_id(session):
             raise RequestError(f"invalid session id {session[:128]!r}", field="session")
-        dropped = [await self.call(True, r.drop, session) for r in list(self.runners.values())]
+        dropped = [await self.call(r.drop, session) for r in list(self.runners.values())]
         if not any(dropped):
             raise SessionNotFoundError(
                 f"no session {session[:128]!r} on this node", field="session"
