@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,18 @@ def test_work_of_unknown_size_logs_start_and_end(caplog: pytest.LogCaptureFixtur
         "converting the vocabulary: started",
         "converting the vocabulary: done",
     ]
+
+
+def test_loading_a_span_reports_its_progress(
+    caplog: pytest.LogCaptureFixture, tiny_folder: Callable[[str], Path]
+) -> None:
+    from meshnet.models.loader import load_shard
+    from meshnet.models.source import resolve
+    from meshnet.types import LayerSpan
+
+    source = resolve(str(tiny_folder("llama")))
+    caplog.set_level(logging.INFO, logger="meshnet.observe.progress")
+    load_shard(source, LayerSpan(0, 2), "fp32")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].endswith("layers 0:2 (fp32): started (2 steps)")
+    assert "layers 0:2 (fp32): done in " in lines[-1]
