@@ -1,7 +1,7 @@
 """Decode and prefill speed on one machine: transformers, one meshnet node (fast path on and
 off), the 3-hop mesh, and llama.cpp on the same GGUF file.
 
-    python benchmarks/decode.py                                   # fp32 and bf16
+    python benchmarks/decode.py                                   # fp32, bf16 and int8
     python benchmarks/decode.py --llama-python /tmp/llama/bin/python   # adds llama.cpp
     python benchmarks/decode.py --tiny                            # what the tests run
 
@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", help="a python with llama-cpp-python installed")
-    parser.add_argument("--quant", action="append", choices=["fp32", "bf16"])
+    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8"])
     args = parser.parse_args()
     pin_loop_thread()
     random.seed(0)
@@ -230,10 +230,11 @@ def main() -> None:
         rows["llama.cpp Q4_1, 2 threads"] = llama_row(
             args.llama_python, tokenizer, short, long, n, r
         )
-    for quant in args.quant or (["fp32"] if args.tiny else ["fp32", "bf16"]):
-        rows[f"transformers generate, {quant}"] = on_compute(
-            transformers_row, quant, short, long, n, r
-        )
+    for quant in args.quant or (["fp32"] if args.tiny else ["fp32", "bf16", "int8"]):
+        if quant != "int8":  # transformers has no CPU int8 of its own to compare with
+            rows[f"transformers generate, {quant}"] = on_compute(
+                transformers_row, quant, short, long, n, r
+            )
         for fast in (True, False):
             name = f"meshnet 1 node, {quant}, fast path {'on' if fast else 'off'}"
             rows[name] = node_row(quant, fast, short, long, n, r)

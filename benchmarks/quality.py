@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 from tests.models.chain import Chain  # noqa: E402
 
 
-def perplexity(source: ModelSource, quant: str, ids: torch.Tensor) -> float:
-    shards = [load_shard(source, s, quant) for s in LayerSpan(0, source.spec.num_layers).split(3)]
+def perplexity(source: ModelSource, quant: str, ids: torch.Tensor, fast: bool = True) -> float:
+    spans = LayerSpan(0, source.spec.num_layers).split(3)
+    shards = [load_shard(source, s, quant, fast=fast) for s in spans]
     logits = Chain(load_head(source), shards).step(ids)  # [1, T, V] fp32
     nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
     return math.exp(float(nll))
@@ -41,16 +42,17 @@ def main() -> None:
 
         source = tiny_source()
         ids = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(0))
-        quants = ["fp32", "nf4"]
+        quants = [("fp32", True), ("nf4", True)]
     else:
         source = resolve("default")
         text = (ROOT / "tests" / "data" / "english.txt").read_text()
         ids = load_tokenizer(source)(text, return_tensors="pt")["input_ids"][:, : args.tokens]
-        quants = ["fp32", "bf16", "int8", "nf4"]
+        quants = [("fp32", True), ("bf16", True), ("int8", True), ("int8", False), ("nf4", True)]
     print(f"| quant | perplexity ({ids.shape[1]} tokens, {source.model_id}) |")
     print("|---|---:|")
-    for quant in quants:
-        print(f"| {quant} | {perplexity(source, quant, ids):.3f} |")
+    for quant, fast in quants:
+        name = quant if fast else f"{quant}, --no-fast-path"
+        print(f"| {name} | {perplexity(source, quant, ids, fast):.3f} |")
 
 
 if __name__ == "__main__":

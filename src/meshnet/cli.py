@@ -175,10 +175,15 @@ def add_node_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-fast-path",
-        "--no-compile",
         dest="fast_path",
         action="store_false",
         help="run transformers' own layers instead of the fast decode path (for debugging)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the fast path's decode step eagerly, without torch.compile (for debugging)",
     )
 
 
@@ -263,6 +268,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "max_cache_bytes": args.max_kv_cache,
         "session_ttl_s": args.session_ttl,
         "fast_path": args.fast_path,
+        "compile": args.compile,
     }
 
 

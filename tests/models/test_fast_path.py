@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from meshnet.models.cache import (
     MIN_CAPACITY,
@@ -17,8 +19,11 @@ from meshnet.models.cache import (
     new_cache,
     truncate,
 )
+from meshnet.models.llama_fast import RopeTable
 from meshnet.models.loader import load_shard
-from meshnet.models.source import resolve
+from meshnet.models.products import Int8Rows
+from meshnet.models.shard import Shard
+from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
 
 
@@ -48,21 +53,103 @@ def test_fast_path_equals_transformers_layers_bit_for_bit(
         assert torch.equal(ours, theirs)
 
 
-def test_quantized_layers_keep_transformers_path(tiny_folder: Callable[[str], Path]) -> None:
+def dequantized(module: nn.Module) -> torch.Tensor:
+    """The fp32 weight [N, K] a bitsandbytes int8 module stands for: CB * SCB / 127."""
+    weight: Any = module.weight
+    return weight.data.float() * weight.SCB.float()[:, None] / 127.0
+
+
+def same_weights_in_fp32(int8_shard: Shard, source: ModelSource) -> Shard:
+    """An eager fp32 shard whose linear weights are the int8 shard's, dequantized."""
+    eager = load_shard(source, int8_shard.span, "fp32", fast=False)
+    for ours, theirs in zip(int8_shard.layers, eager.layers, strict=True):
+        for name, module in ours.named_modules():
+            if type(module).__name__ == "Linear8bitLt":
+                theirs.get_submodule(name).weight.data = dequantized(module)
+    return eager
+
+
+def assert_within_bf16_rounding(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    """Each output within 2% (relative L2) of the reference's. int8 products take bf16
+    activations (relative rounding 2^-9) and outputs leave as bf16: measured at most 0.13%;
+    a wrong weight or cache entry gives tens of percent."""
+    for mine, ref in zip(ours, theirs, strict=True):
+        error = (mine.float() - ref.float()).norm() / ref.float().norm()
+        assert float(error) < 0.02
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
+    model_type: str, tiny_folder: Callable[[str], Path]
+) -> None:
+    source = resolve(str(tiny_folder(model_type)))
+    int8 = load_shard(source, LayerSpan(0, source.spec.num_layers), "int8")
+    assert isinstance(int8.fast.layers[0].qkv, Int8Rows)
+    reference = same_weights_in_fp32(int8, source)
+    torch.manual_seed(0)
+    width = source.spec.hidden_size
+    pieces = [torch.randn(1, 40, width), torch.randn(1, 30, width)]
+    pieces += [torch.randn(1, 1, width) for _ in range(80)]
+    assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
+
+
+@pytest.mark.slow
+def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    from torch._dynamo.utils import counters
+
     source = resolve(str(tiny_folder("llama")))
-    assert load_shard(source, LayerSpan(0, 2), "int8").fast is None
+    span = LayerSpan(0, source.spec.num_layers)
+    int8 = load_shard(source, span, "int8", compile=True)  # warm-up builds the graph
+    assert int8.fast.graph is not None and int8.fast.graph.built
+    reference = same_weights_in_fp32(int8, source)
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    width = source.spec.hidden_size
+    # prefill runs eagerly; 100 decode steps cross two capacity doublings (64 -> 256)
+    pieces = [torch.randn(1, 40, width)] + [torch.randn(1, 1, width) for _ in range(100)]
+    assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the request path
 
 
-def test_gpt2_keeps_transformers_path(tiny_folder: Callable[[str], Path]) -> None:
-    source = resolve(str(tiny_folder("gpt2")))
-    assert load_shard(source, LayerSpan(0, 2), "fp32").fast is None
+@pytest.mark.parametrize(("model_type", "quant"), [("llama", "nf4"), ("gpt2", "fp32")])
+def test_layers_without_a_fast_path_keep_transformers_path(
+    model_type: str, quant: str, tiny_folder: Callable[[str], Path]
+) -> None:
+    source = resolve(str(tiny_folder(model_type)))
+    assert load_shard(source, LayerSpan(0, 2), quant).fast is None
+
+
+def test_int8_fusing_shares_the_quantized_storage(tiny_folder: Callable[[str], Path]) -> None:
+    source = resolve(str(tiny_folder("llama")))
+    shard = load_shard(source, LayerSpan(0, 2), "int8")
+    mlp, fused = shard.layers[1].mlp, shard.fast.layers[1].gate_up
+    storage = fused.rows.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.data.untyped_storage().data_ptr() == storage
+    assert mlp.up_proj.weight.dtype == torch.int8
+    parts = (mlp.gate_proj.weight, mlp.up_proj.weight)
+    assert fused.rows.untyped_storage().nbytes() == sum(p.numel() for p in parts)  # 1 B each
+
+
+def test_rope_table_rows_equal_per_call_rotary(tiny_folder: Callable[[str], Path]) -> None:
+    source = resolve(str(tiny_folder("llama")))
+    shard = load_shard(source, LayerSpan(0, 1), "fp32")
+    table = RopeTable(shard.extras, torch.float32)
+    cos, signed = table.rows(300, 5)  # past the first 256 positions: the table grew
+    probe = torch.empty(1, 1, 1)
+    ref_cos, ref_sin = shard.extras(probe, position_ids=torch.arange(300, 305)[None])
+    half = ref_sin.shape[-1] // 2
+    assert torch.equal(cos, ref_cos[0])
+    assert torch.equal(signed[:, half:], ref_sin[0, :, half:])
+    assert torch.equal(signed[:, :half], -ref_sin[0, :, :half])
 
 
 def test_fusing_shares_storage_instead_of_copying(tiny_folder: Callable[[str], Path]) -> None:
     source = resolve(str(tiny_folder("llama")))
     shard = load_shard(source, LayerSpan(0, 2), "fp32")
     attention = shard.layers[0].self_attn
-    fused = shard.fast.layers[0].qkv
+    fused = shard.fast.layers[0].qkv.weight
     assert (
         attention.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     )

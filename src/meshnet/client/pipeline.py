@@ -108,33 +108,44 @@ class Pipeline:
         return PipelineSession(SessionId(f"s-{uuid.uuid4().hex}"), hops)
 
     async def feed(self, session: PipelineSession, ids: list[int]) -> torch.Tensor:
-        """Run `ids` after the session's tokens; float32 logits [V] for the next token."""
+        """Run `ids` after the session's tokens; float32 logits [V] for the next token.
+
+        The entry's own work is one compute-thread call (embeddings and its span, plus the
+        logits when there is no remote hop): each hand-off costs ~0.2 ms a token.
+        """
         tokens = torch.tensor([ids], dtype=torch.long)
-        hidden = await self.executor.call(self.head.embed_tokens, tokens, session.position)
-        hidden = await self._local(session, hidden)
-        out = hidden
-        for chunk in split_prefill(hidden, session.position, self.wire.chunk_tokens):
-            out = await self._remote(session, chunk)
+        last = not session.hops
+        out = await self.executor.call(self._run_local, session, tokens, last)
+        if not last:
+            for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
+                out = await self._remote(session, chunk)
+            out = await self.executor.call(self._logits, out)
         session.position += len(ids)
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
-        logits = await self.executor.call(self.head.logits, out[:, -1:])
-        return logits[0, -1]
+        return out
 
-    async def _local(self, session: PipelineSession, hidden: torch.Tensor) -> torch.Tensor:
-        """The entry's own span, in pieces of `local_chunk_tokens`: no wire, so no 128 limit.
-
-        Chunks of 128 tokens cost ~1.3x one pass on a CPU (masked attention, small GEMMs);
-        the bound keeps a very long prompt's attention memory in check.
+    def _run_local(
+        self, session: PipelineSession, tokens: torch.Tensor, logits: bool
+    ) -> torch.Tensor:
+        """Compute thread: embeddings and the entry's own span -> hidden [1, T, H], or the
+        logits [V] of the last token. The span runs in pieces of `local_chunk_tokens`: no
+        wire, so no 128-token limit; chunks of 128 cost ~1.3x one pass on a CPU (masked
+        attention, small GEMMs), and the bound keeps a long prompt's attention memory in check.
         """
-        pieces = split_prefill(hidden, session.position, self.local_chunk_tokens)
+        hidden = self.head.embed_tokens(tokens, session.position)
         outputs = []
-        for piece in pieces:
+        for piece in split_prefill(hidden, session.position, self.local_chunk_tokens):
             meta = FrameMeta(
                 session.id, self.model, self.local.span, piece.position, piece.index, piece.total
             )
-            outputs.append(await self.executor.call(self.local.forward, meta, piece.hidden))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+            outputs.append(self.local.forward(meta, piece.hidden))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return self._logits(out) if logits else out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Compute thread: hidden [1, T, H] -> float32 logits [V] of the last token."""
+        return self.head.logits(hidden[:, -1:])[0, -1]
 
     async def _remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
         """One chunk through every remote hop in order; the last hop's output.

@@ -67,7 +67,7 @@ class GPT2:
     def layer_extras(self, config: Any) -> Any:
         return None
 
-    def fast_path(self, layers: Any, config: Any, extras: Any) -> Any | None:
+    def fast_path(self, layers: Any, config: Any, extras: Any, compile: bool) -> Any | None:
         return None  # GPT-2 runs transformers' layers (it is the test architecture)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:

@@ -169,10 +169,10 @@ class LlamaFamily:
             )
         return hidden
 
-    def fast_path(self, layers: Any, config: Any, extras: Any) -> Any | None:
+    def fast_path(self, layers: Any, config: Any, extras: Any, compile: bool) -> Any | None:
         from meshnet.models.llama_fast import fast_span
 
-        return fast_span(layers, config, extras)
+        return fast_span(layers, config, extras, compile)
 
     def build_head(self, config: Any) -> Any:
         from torch import nn

@@ -3,11 +3,14 @@
 transformers' layers spend part of a decode step outside the matrix products: the cache
 concatenates keys and values every token, masks and positions are rebuilt, many small
 modules are called. Here each layer runs one fused q/k/v product and one fused gate/up
-product. Rotary and norms are computed as transformers computes them (the norms are its own
-modules). Keys and values are written in place into `StaticKV`, and PyTorch's SDPA attends
-over the cache. The fused weights are the layers' own storage: q/k/v and gate/up are
-concatenated once at load and the modules' parameters become views into them, so memory
-does not grow (ADR-0021).
+product (`models/products.py`: dense, or int8 weight-only). Rotary is read from a table and
+applied to queries and keys together; norms are transformers' own modules. Keys and values
+are written in place into `StaticKV`.
+
+Dense weights (fp32, bf16) attend with PyTorch's SDPA, as transformers does, and stay
+bit-for-bit equal to transformers' layers. INT8 weights have no bit-exact reference (their
+products already differ from bitsandbytes'), so a single decoded token attends with two small
+products instead of SDPA's kernel (~0.1 ms a layer here) (ADR-0021, ADR-0022).
 """
 
 from __future__ import annotations
@@ -19,59 +22,89 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshnet.models import products
 from meshnet.models.cache import SpanCache, StaticKV
-from meshnet.models.shard import causal_mask, positions_for
+from meshnet.models.llama_graph import DecodeGraph, compiled_decode
+from meshnet.models.products import Product
+from meshnet.models.shard import causal_mask
+
+MIN_ROPE_POSITIONS = 256  # positions the rotary table first holds; it doubles when needed
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # one formula (`RMSNorm`)
+
+
+class RMSNorm:
+    """transformers' Llama/Mistral/Qwen2 RMSNorm, op for op (so results are equal), without
+    a module call: 17 us instead of 28 us a call here."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.weight = torch.as_tensor(module.weight)  # [H]
+        self.eps = float(module.variance_epsilon)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 @dataclass
 class FusedLayer:
-    """One decoder layer's tensors: norms are transformers' modules, products fused."""
+    """One decoder layer: its norms and its fused products."""
 
-    input_norm: nn.Module
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * D, H]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, heads * D]
-    post_norm: nn.Module
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
-
-
-def fuse_rows(modules: list[nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights of `modules` row-wise; each module's weight becomes a view."""
-    fused = torch.cat([m.weight.detach() for m in modules]).contiguous()
-    start = 0
-    for m in modules:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
+    input_norm: RMSNorm
+    qkv: Product  # -> [(heads + 2 kv_heads) * D]
+    o: Product  # -> [H]
+    post_norm: RMSNorm
+    gate_up: Product  # -> [2 I]
+    down: Product  # -> [H]
 
 
 def fuse_layer(layer: Any) -> FusedLayer | None:
-    """The fused view of a Llama-style decoder layer, or None (quantized or unusual layer)."""
+    """The fused view of a Llama-style decoder layer, or None (nf4, or an unusual layer)."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *_mlp_linears(mlp)]
-    if any(type(m) is not nn.Linear for m in linears) or mlp.act_fn.__class__.__name__ not in (
-        "SiLU",
-        "SiLUActivation",
-    ):
+    if mlp.act_fn.__class__.__name__ not in ("SiLU", "SiLUActivation"):
         return None
-    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-    biases = [m.bias for m in (q, k, v)]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    return FusedLayer(
-        layer.input_layernorm,
-        fuse_rows([q, k, v]),
-        bias,
-        attn.o_proj.weight,
-        layer.post_attention_layernorm,
-        fuse_rows([mlp.gate_proj, mlp.up_proj]),
-        mlp.down_proj.weight,
-    )
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.__class__.__name__ not in RMS_NORMS for n in norms):
+        return None
+    parts = [
+        products.fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+        products.fuse([attn.o_proj]),
+        products.fuse([mlp.gate_proj, mlp.up_proj]),
+        products.fuse([mlp.down_proj]),
+    ]
+    if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+        return None
+    qkv, o, gate_up, down = parts
+    assert qkv and o and gate_up and down  # narrowed above; for the type checker
+    return FusedLayer(RMSNorm(norms[0]), qkv, o, RMSNorm(norms[1]), gate_up, down)
 
 
-def _mlp_linears(mlp: Any) -> list[nn.Linear]:
-    return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+class RopeTable:
+    """cos/sin [positions, D] from the model's rotary module, computed once per position.
+
+    transformers computes each position's angles independently (an outer product, then
+    cos/sin), so a row of the table equals what a per-call computation gives.
+    """
+
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype) -> None:
+        self.rotary = rotary
+        self.dtype = dtype
+        self.cos = self.sin = torch.empty(0)
+
+    def rows(self, position: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [tokens, D] for positions `[position, position + tokens)`; the
+        signed sin is [-sin, +sin] over the two halves of D (see `_rotate`)."""
+        end = position + tokens
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0], MIN_ROPE_POSITIONS))
+        return self.cos[position:end], self.sin[position:end]
+
+    def _grow(self, positions: int) -> None:
+        probe = torch.empty(1, 1, 1, dtype=self.dtype)
+        ids = torch.arange(positions).unsqueeze(0)
+        cos, sin = self.rotary(probe, position_ids=ids)  # [1, positions, D]
+        half = sin.shape[-1] // 2
+        self.cos, self.sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
 
 class FastSpan:
@@ -79,11 +112,21 @@ class FastSpan:
 
     def __init__(self, fused: list[FusedLayer], config: Any, rotary: nn.Module) -> None:
         self.layers = fused
-        self.rotary = rotary
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.scale = self.head_dim**-0.5
+        self.exact = isinstance(fused[0].qkv, products.Dense)  # SDPA, as transformers runs it
+        self.rope: RopeTable | None = None
+        self._rotary = rotary
+        self.graph: DecodeGraph | None = None  # the compiled decode step (int8 only)
+
+    def compile(self) -> bool:
+        """Run single-token decode steps as one compiled graph (ADR-0023), where allowed:
+        never for fp32/bf16 layers, which must stay bit-for-bit equal to transformers."""
+        if not self.exact:
+            self.graph = compiled_decode(self)
+        return self.graph is not None
 
     def forward(self, hidden: torch.Tensor, cache: SpanCache, position: int) -> torch.Tensor:
         """`hidden` [B, T, H] (compute dtype) at `position` -> [B, T, H]; appends to cache."""
@@ -92,43 +135,67 @@ class FastSpan:
             cache.static = StaticKV(
                 len(self.layers), batch, self.kv_heads, self.head_dim, hidden.dtype
             )
+        if self.rope is None or self.rope.dtype != hidden.dtype:
+            self.rope = RopeTable(self._rotary, hidden.dtype)
         kv = cache.static
         kv.reserve(tokens)
-        cos, sin = self.rotary(hidden, position_ids=positions_for(hidden, position))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        rope = self.rope.rows(position, tokens)  # [T, D] each, broadcast over [B, heads, T, D]
+        if self.graph is not None and batch == 1 and tokens == 1:
+            out = self._decode_compiled(hidden, kv, position, rope)
+            if out is not None:
+                return out
         mask = causal_mask(hidden, position)  # None for one token or an empty cache
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, cos, sin, kv, index, position, mask)
+        caches = zip(kv.keys.unbind(0), kv.values.unbind(0), strict=True)  # [B, kv, cap, D]
+        for layer, layer_kv in zip(self.layers, caches, strict=True):
+            hidden = self._layer(layer, hidden, rope, layer_kv, position, mask)
         kv.length = position + tokens
         return hidden
+
+    def _decode_compiled(
+        self,
+        hidden: torch.Tensor,
+        kv: StaticKV,
+        position: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """One token through the compiled graph; None (and no graph from now on) when it
+        could not be built."""
+        assert self.graph is not None  # checked by the caller
+        keys = [k[0] for k in kv.keys.unbind(0)]  # per layer [kv, capacity, D]
+        values = [v[0] for v in kv.values.unbind(0)]
+        out = self.graph(hidden, rope, keys, values, position)
+        if out is None:
+            self.graph = None
+            return None
+        kv.length = position + 1
+        return out
 
     def _layer(
         self,
         layer: FusedLayer,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: StaticKV,
-        index: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
         position: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        qkv = F.linear(layer.input_norm(x), layer.qkv, layer.qkv_bias)
-        sizes = [self.heads * self.head_dim, *(2 * [self.kv_heads * self.head_dim])]
-        q, k, v = torch.split(qkv, sizes, dim=-1)
-        q = _rotate(q.view(batch, tokens, -1, self.head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(k.view(batch, tokens, -1, self.head_dim).transpose(1, 2), cos, sin)
-        end = position + tokens
-        kv.keys[index, :, :, position:end] = k
-        kv.values[index, :, :, position:end] = v.view(batch, tokens, -1, self.head_dim).transpose(
-            1, 2
+        end, width = position + tokens, (self.heads + self.kv_heads) * self.head_dim
+        qkv = layer.qkv(layer.input_norm(x))  # [B, T, (heads + 2 kv) D]
+        # queries and keys rotate together: the same elementwise ops on the same numbers
+        qk = qkv[..., :width].view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+        qk = _rotate(qk, *rope)  # [B, heads + kv, T, D]
+        keys, values = kv
+        keys[:, :, position:end] = qk[:, self.heads :]
+        values[:, :, position:end] = (
+            qkv[..., width:].view(batch, tokens, -1, self.head_dim).transpose(1, 2)
         )
-        keys, values = kv.keys[index, :, :, :end], kv.values[index, :, :, :end]
-        attended = self._attend(q, keys, values, mask, position)  # [B, heads, T, D]
-        x = x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), layer.o)
-        gate, up = F.linear(layer.post_norm(x), layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        attended = self._attend(
+            qk[:, : self.heads], keys[:, :, :end], values[:, :, :end], mask, position
+        )
+        x = x + layer.o(attended.transpose(1, 2).reshape(batch, tokens, -1))
+        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     def _attend(
         self,
@@ -141,8 +208,10 @@ class FastSpan:
         """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, end, D].
 
         PyTorch's SDPA, as transformers calls it: the same kernel keeps results bit-for-bit
-        equal (two small products were 1.5 ms a token faster, but rounded differently).
+        equal. Without that constraint (int8 weights) one token attends by two products.
         """
+        if not self.exact and q.shape[2] == 1:
+            return self._attend_one(q, keys, values)
         return F.scaled_dot_product_attention(
             q,
             keys,
@@ -153,18 +222,43 @@ class FastSpan:
             enable_gqa=self.kv_heads != self.heads,
         )
 
+    def _attend_one(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, heads, 1, D] over keys/values [B, kv, end, D]; query heads are grouped by kv
+        head as SDPA's GQA groups them. 3-d `bmm` directly: ~6 us a product, `matmul` ~14."""
+        batch, end = q.shape[0], keys.shape[2]
+        grouped = q.reshape(batch * self.kv_heads, -1, self.head_dim)  # [B kv, groups, D]
+        keys = keys.reshape(batch * self.kv_heads, end, self.head_dim)
+        values = values.reshape(batch * self.kv_heads, end, self.head_dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * self.scale
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [B kv, groups, end]
+        return torch.bmm(probs, values).view(batch, self.heads, 1, self.head_dim)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it (`rotate_half`)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, equal to transformers' `x * cos + rotate_half(x) * sin`.
+
+    rotate_half(x) * sin is roll(x, D/2) * [-sin_1, sin_2]: the same products up to an exact
+    sign flip, in 2 ops instead of 5 (18 -> 10 us a call here).
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def fast_span(layers: nn.ModuleList, config: Any, rotary: nn.Module) -> FastSpan | None:
-    """The fast path for `layers`, or None when any layer cannot take it (e.g. quantized)."""
+def fast_span(
+    layers: nn.ModuleList, config: Any, rotary: nn.Module, compile: bool = False
+) -> FastSpan | None:
+    """The fast path for `layers`, or None when any layer cannot take it (nf4, GELU MLPs...)."""
     if getattr(config, "hidden_act", "silu") != "silu":
         return None
     fused = [fuse_layer(layer) for layer in layers]
-    if any(f is None for f in fused):
+    ready = [f for f in fused if f is not None]
+    if len(ready) != len(fused) or len({type(f.qkv) for f in ready}) != 1:
         return None
-    return FastSpan([f for f in fused if f is not None], config, rotary)
+    device = next(layers.parameters()).device
+    if isinstance(ready[0].qkv, products.Int8Rows) and not products.int8_kernel_runs(device):
+        return None
+    span = FastSpan(ready, config, rotary)
+    if compile:
+        span.compile()
+    return span

@@ -98,11 +98,13 @@ def load_shard(
     quant: str | None = None,
     checkpoint: Checkpoint | None = None,
     fast: bool = True,
+    compile: bool = False,
 ) -> Shard:
     """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32).
 
-    With `fast`, the architecture's fast path runs the layers where it can (ADR-0021); the
-    shard is warmed up (one prefill, one decode step) before it is returned.
+    With `fast`, the architecture's fast path runs the layers where it can (ADR-0021); with
+    `compile` too, it may compile its decode step (int8 layers, ADR-0023). The shard is
+    warmed up (one prefill, one decode step: compilation happens there) before it returns.
     """
     quant = quantize.check_quant(quant or quantize.default_quant())
     if span.end > source.spec.num_layers:
@@ -117,7 +119,7 @@ def load_shard(
     extras = source.arch.layer_extras(config)
     shard = Shard(source.arch, config, span, layers, extras, quantize.compute_dtype(quant), quant)
     if fast:
-        shard.fast = source.arch.fast_path(layers, config, extras)
+        shard.fast = source.arch.fast_path(layers, config, extras, compile)
         why = "" if shard.fast else " (no fast path for this architecture or quantization)"
         log.info("layers %s run %s%s", span, "the fast path" if shard.fast else "eagerly", why)
     warm_up(shard)

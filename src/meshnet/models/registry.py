@@ -72,11 +72,12 @@ class Architecture(Protocol):
         """Embeddings, final norm and LM head as one module."""
         ...
 
-    def fast_path(self, layers: Any, config: Any, extras: Any) -> Any | None:
+    def fast_path(self, layers: Any, config: Any, extras: Any, compile: bool) -> Any | None:
         """A faster runner of `layers` with `forward(hidden, cache, position)`, or None.
 
         It must compute what `run_layers` computes (same dtype, same results within
-        rounding) over a `SpanCache`; None keeps transformers' layers (ADR-0021).
+        rounding) over a `SpanCache`; None keeps transformers' layers (ADR-0021). With
+        `compile`, it may compile its decode step where that keeps its results (ADR-0023).
         """
         ...
 

@@ -42,7 +42,7 @@ from meshnet.config import (
 from meshnet.errors import ModelError
 from meshnet.models import sizing
 from meshnet.models.loader import load_head, load_tokenizer
-from meshnet.models.quantize import default_quant
+from meshnet.models.quantize import default_quant, head_dtype
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_metrics_route, add_node_routes
@@ -115,7 +115,7 @@ def load_entry_model(config: NodeConfig, span: LayerSpan) -> EntryModel:
     model_id = offer(config.model).model
     runner = load_runner(config, model_id, config.model, span)
     source = resolve(config.model)
-    head = load_head(source, runner.shard.compute_dtype)
+    head = load_head(source, head_dtype(runner.shard.quant))
     codec = HfCodec(load_tokenizer(source))
     log.info("entry for %s: layers %s and the head loaded", model_id, span)
     spec = source.spec

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 def load_runner(
     config: NodeConfig, model_id: str, source: str, span: LayerSpan
 ) -> TorchShardRunner:
-    shard = load_shard(resolve(source), span, config.quant, fast=config.fast_path)
+    shard = load_shard(
+        resolve(source), span, config.quant, fast=config.fast_path, compile=config.compile
+    )
     return TorchShardRunner(
         ModelId(model_id),
         shard,

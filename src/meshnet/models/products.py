@@ -1,0 +1,114 @@
+"""A layer's matrix products for the fast path: dense weights or int8 weight-only rows.
+
+A `Product` computes `x @ W.T (+ b)` for x [..., K]. Fusing (q/k/v, gate/up) concatenates
+the modules' weights row-wise once at load, and the modules' own parameters become views into
+the fused tensor, so memory does not grow and the eager path still sees the same numbers.
+
+INT8 layers are bitsandbytes' `Linear8bitLt` with its row-wise weights: `CB` int8 [N, K] and
+`SCB` [N], the absolute maximum of each row, so W = CB * SCB / 127. bitsandbytes' own CPU
+product also quantizes the activations to int8; here the activations stay as they are and
+PyTorch's weight-only kernel (`_weight_int8pack_mm`, bf16 activations) reads half the bytes
+of bf16 weights. Same weights, less rounding than LLM.int8 (ADR-0022).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+INT8_MAX = 127.0
+
+
+class Product(Protocol):
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        ...
+
+
+class Dense:
+    """`F.linear` over a dense weight [N, K], exactly what `nn.Linear` runs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features = int(weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Rows:
+    """Weight-only int8: int8 rows [N, K] times one scale per row, bf16 activations."""
+
+    def __init__(self, rows: torch.Tensor, absmax: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.rows = rows
+        self.scales = (absmax.float() / INT8_MAX).to(torch.bfloat16)  # [N]
+        self.bias = bias
+        self.out_features = int(rows.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.rows, self.scales)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)  # [..., N]
+        return out if self.bias is None else out + self.bias
+
+
+def int8_kernel_runs(device: torch.device) -> bool:
+    """Whether this PyTorch build has the weight-only int8 kernel on `device`."""
+    try:
+        rows = torch.ones(8, 32, dtype=torch.int8, device=device)
+        scales = torch.ones(8, dtype=torch.bfloat16, device=device)
+        x = torch.ones(1, 32, dtype=torch.bfloat16, device=device)
+        torch.ops.aten._weight_int8pack_mm(x, rows, scales)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        log.info("no weight-only int8 kernel on %s: %s", device, exc)
+        return False
+    return True
+
+
+def kind(module: nn.Module) -> str | None:
+    """'dense' for `nn.Linear`, 'int8' for bitsandbytes' `Linear8bitLt`, else None."""
+    if type(module) is nn.Linear:
+        return "dense"
+    if type(module).__name__ == "Linear8bitLt" and getattr(module.weight, "SCB", None) is not None:
+        return "int8"
+    return None
+
+
+def fuse(modules: list[Any]) -> Product | None:
+    """One product over `modules` (linear layers) stacked row-wise, or None when they cannot
+    be fused (mixed kinds, some with a bias and some without, an unknown layer)."""
+    kinds = {kind(m) for m in modules}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    biases = [m.bias for m in modules]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        return None
+    bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    rows = _fuse_rows(modules)
+    if kinds == {"dense"}:
+        return Dense(rows, bias)
+    return Int8Rows(rows, torch.cat([m.weight.SCB for m in modules]), bias)
+
+
+def _fuse_rows(modules: list[Any]) -> torch.Tensor:
+    """Concatenate the weights row-wise; each module's weight becomes a view of the result."""
+    fused = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    start = 0
+    for m in modules:
+        weight, rows = m.weight, int(m.weight.shape[0])
+        if type(weight) is nn.Parameter:
+            m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        else:  # bitsandbytes' Int8Params: keep the object (and its SCB), share the storage
+            weight.data = fused[start : start + rows]
+            if getattr(weight, "CB", None) is not None:
+                weight.CB = weight.data
+        start += rows
+    return fused
