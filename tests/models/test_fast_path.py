@@ -107,7 +107,8 @@ def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     width = source.spec.hidden_size
-    # prefill runs eagerly; 100 decode steps cross two capacity doublings (64 -> 256)
+    # prefill runs eagerly; 100 decode steps cross two capacity doublings (64 -> 256) and
+    # the attention window grows from 128 to 256 positions
     pieces = [torch.randn(1, 40, width)] + [torch.randn(1, 1, width) for _ in range(100)]
     assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the request path

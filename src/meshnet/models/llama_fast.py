@@ -161,9 +161,7 @@ class FastSpan:
         """One token through the compiled graph; None (and no graph from now on) when it
         could not be built."""
         assert self.graph is not None  # checked by the caller
-        keys = [k[0] for k in kv.keys.unbind(0)]  # per layer [kv, capacity, D]
-        values = [v[0] for v in kv.values.unbind(0)]
-        out = self.graph(hidden, rope, keys, values, position)
+        out = self.graph(hidden, rope, kv, position)
         if out is None:
             self.graph = None
             return None

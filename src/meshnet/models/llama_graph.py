@@ -3,16 +3,16 @@
 Between its matrix products a decode step runs ~70 small ops a layer (norms, rotary, cache
 writes, attention, residuals); eager PyTorch pays ~2 us of dispatch for each, ~6 ms a token
 for the default model's 30 layers here. Compiled, inductor fuses them into a few C++ loops
-and calls the int8 products as they are: the 30-layer step went from ~19 ms to ~14.5 ms on
-this 2-core machine (ADR-0023).
+and calls the int8 products as they are: the 30-layer step went from ~19 ms to 12.4-14.5 ms
+on this 2-core machine (ADR-0023).
 
-Shapes are fixed but one: a decoded token attends over the cache's whole capacity with a
-mask past its position (capacity is at most twice the tokens held), and the capacity is a
-dynamic dimension, so a session that grows its cache does not recompile. The position is a
-tensor. Compilation happens in the shard's warm-up at load; inductor keeps what it built in
-its cache on disk (~68 s the first time for 30 layers here, ~6 s after). Only int8 spans
-compile: fp32 and bf16 must stay bit-for-bit equal to transformers, and fused loops round
-differently.
+Shapes are fixed but one: a decoded token attends over a window of the cache (the tokens
+held rounded up to a multiple of `WINDOW_TOKENS`) with a mask past its position, and the
+window's length is a dynamic dimension, so a growing session does not recompile. The
+position is a tensor. Compilation happens in the shard's warm-up at load; inductor keeps
+what it built in its cache on disk (57-68 s the first time for 30 layers here, seconds
+after). Only int8 spans compile: fp32 and bf16 must stay bit-for-bit equal to transformers,
+and fused loops round differently.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from meshnet.models.cache import StaticKV
     from meshnet.models.llama_fast import FastSpan, FusedLayer
 
 log = logging.getLogger(__name__)
+# Positions a decoded token attends over, rounded up to this: the mask hides at most 127
+# unwritten ones. The whole capacity (up to 2x the tokens) made a 3,000-token step 32 ms
+# against 30 ms eager here: attention reads the fp32 cache, 6 MB a layer at 4,096 tokens.
+WINDOW_TOKENS = 128
 
 
 class DecodeGraph:
@@ -43,17 +48,20 @@ class DecodeGraph:
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        kv: StaticKV,
         position: int,
     ) -> torch.Tensor | None:
-        """x [1, 1, H] at `position` -> [1, 1, H]; keys/values per layer [kv, capacity, D].
+        """x [1, 1, H] at `position` -> [1, 1, H]; writes the token's keys and values to `kv`
+        (batch 1, room reserved) but leaves its length to the caller.
 
         None when the first call (which builds the graph) fails: no C++ compiler, an
         unsupported op. The caller then runs the step eagerly from then on.
         """
+        window = min(kv.capacity, -(-(position + 1) // WINDOW_TOKENS) * WINDOW_TOKENS)
+        keys = [k[0, :, :window] for k in kv.keys.unbind(0)]  # per layer [kv, window, D]
+        values = [v[0, :, :window] for v in kv.values.unbind(0)]
         for cache in (*keys, *values):
-            torch._dynamo.mark_dynamic(cache, 1)  # the capacity doubles as a session grows
+            torch._dynamo.mark_dynamic(cache, 1)  # the window grows with the session
         args = (x.view(1, -1), *rope, keys, values, torch.tensor([position]))
         if self.built:
             return self.compiled(*args).view(1, 1, -1)  # type: ignore[no-any-return]
@@ -75,7 +83,7 @@ class DecodeGraph:
         values: list[torch.Tensor],
         position: torch.Tensor,
     ) -> torch.Tensor:
-        masked = torch.arange(keys[0].shape[1]) > position  # [capacity]: not yet written
+        masked = torch.arange(keys[0].shape[1]) > position  # [window]: not yet written
         for layer, k, v in zip(self.span.layers, keys, values, strict=True):
             x = self._layer(layer, x, cos, sin, k, v, position, masked)
         return x
@@ -98,7 +106,7 @@ class DecodeGraph:
         keys.index_copy_(1, position, qk[span.heads :].unsqueeze(1))
         values.index_copy_(1, position, qkv[:, self.width :].view(-1, 1, d))
         q = qk[: span.heads].view(span.kv_heads, self.groups, d)
-        scores = torch.bmm(q, keys.transpose(1, 2)).float() * span.scale  # [kv, groups, cap]
+        scores = torch.bmm(q, keys.transpose(1, 2)).float() * span.scale  # [kv, groups, window]
         probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
         attended = torch.bmm(probs.to(values.dtype), values).reshape(1, -1)  # [1, heads D]
         x = x + layer.o(attended)
