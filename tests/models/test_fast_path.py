@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from meshnet.models import llama_graph
 from meshnet.models.cache import (
     MIN_CAPACITY,
     StaticKV,
@@ -112,6 +113,32 @@ def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
     pieces = [torch.randn(1, 40, width)] + [torch.randn(1, 1, width) for _ in range(100)]
     assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the request path
+
+
+def test_a_decode_step_that_cannot_compile_runs_eagerly_and_says_why(
+    tiny_folder: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def no_compiler(fn: Callable[..., object], **options: object) -> Callable[..., object]:
+        def fails(*args: object) -> object:
+            raise RuntimeError("no C++ compiler found")
+
+        return fails
+
+    monkeypatch.setattr(llama_graph.torch, "compile", no_compiler)
+    source = resolve(str(tiny_folder("llama")))
+    span = LayerSpan(0, source.spec.num_layers)
+    shard = load_shard(source, span, "int8", compile=True)  # warm-up tries to build the graph
+    assert shard.fast.graph is None
+    assert "could not compile the decode step (no C++ compiler found)" in caplog.text
+    eager = load_shard(source, span, "int8")
+    pieces = [
+        torch.randn(1, 5, source.spec.hidden_size),
+        torch.randn(1, 1, source.spec.hidden_size),
+    ]
+    for ours, theirs in zip(run(shard, pieces), run(eager, pieces), strict=True):
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize(("model_type", "quant"), [("llama", "nf4"), ("gpt2", "fp32")])
