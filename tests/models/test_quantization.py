@@ -12,7 +12,7 @@ import torch
 from meshnet.models.loader import load_head, load_shard
 from meshnet.models.quantize import head_dtype
 from meshnet.models.sizing import layer_bytes
-from meshnet.models.source import ModelSource, default_gguf, resolve
+from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
 from tests.models.chain import Chain, greedy, reference_logits
 
@@ -79,30 +79,21 @@ def test_layer_bytes_from_config_match_bytes_loaded(
 
 @pytest.mark.slow
 def test_int8_fast_path_answers_like_the_whole_model_with_the_same_weights(
-    default_source: ModelSource, smollm_tokenizer: Any
+    default_source: ModelSource, smollm_reference: Any, smollm_tokenizer: Any
 ) -> None:
     """The fast path runs bitsandbytes' int8 weights with a weight-only kernel; the whole
     transformers model holding the same weights (dequantized, fp32) picks the same tokens."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_gguf()
     shards = [load_shard(default_source, s, "int8") for s in LayerSpan(0, 30).split(3)]
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    for shard in shards:
-        for local, index in enumerate(shard.span):
-            copy_int8_weights(shard.layers[local], reference.model.layers[index])
+    originals = {name: p.data for name, p in smollm_reference.named_parameters()}
+    try:  # the shared reference holds the int8 weights for this test only
+        for shard in shards:
+            for local, index in enumerate(shard.span):
+                copy_int8_weights(shard.layers[local], smollm_reference.model.layers[index])
+        ref = reference_greedy(smollm_reference, france_prompt(smollm_tokenizer), 24)
+    finally:
+        for name, parameter in smollm_reference.named_parameters():
+            parameter.data = originals[name]
     prompt = france_prompt(smollm_tokenizer)
-    with torch.inference_mode():
-        ref = reference.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=24,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=2,
-        )[0, prompt.shape[1] :].tolist()
     # the layers: with the reference's fp32 head, 24 tokens (past the answer's end) agree
     assert greedy(Chain(load_head(default_source, torch.float32), shards), prompt, 24) == ref
     # what the entry runs (a bf16 head): the answer agrees up to its end; after it, token 19
@@ -110,6 +101,20 @@ def test_int8_fast_path_answers_like_the_whole_model_with_the_same_weights(
     tokens = greedy(Chain(load_head(default_source, head_dtype("int8")), shards), prompt, 9)
     assert tokens == ref[:9]
     assert smollm_tokenizer.decode(tokens).startswith("The capital of France is Paris.<|im_end|>")
+
+
+def reference_greedy(model: Any, prompt: torch.Tensor, tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` [1, T], past end-of-sequence."""
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return [int(t) for t in out[0, prompt.shape[1] :]]
 
 
 def france_prompt(tokenizer: Any) -> torch.Tensor:
