@@ -56,3 +56,28 @@ def greedy(chain: Chain, ids: torch.Tensor, tokens: int) -> list[int]:
         out.append(int(nxt))
         logits = chain.step(nxt)
     return out
+
+
+def reference_greedy(model: Any, prompt: torch.Tensor, tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` [1, T], past end-of-sequence."""
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return [int(t) for t in out[0, prompt.shape[1] :]]
+
+
+def france_prompt(tokenizer: Any) -> torch.Tensor:
+    """The chat prompt "What is the capital of France?" as ids [1, T]."""
+    ids: torch.Tensor = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    return ids

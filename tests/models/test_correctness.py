@@ -16,7 +16,7 @@ import torch
 from meshnet.models.loader import load_head, load_shard
 from meshnet.models.source import ModelSource, default_gguf, resolve
 from meshnet.types import LayerSpan
-from tests.models.chain import Chain, greedy, reference_logits
+from tests.models.chain import Chain, france_prompt, greedy, reference_greedy, reference_logits
 
 PROMPT_TOKENS, DECODE_TOKENS = 300, 32
 
@@ -99,20 +99,8 @@ def test_smollm2_bf16_shards_equal_the_whole_bf16_model(
 def test_smollm2_greedy_tokens_are_identical(
     default_source: ModelSource, smollm_reference: Any, smollm_tokenizer: Any
 ) -> None:
-    tokenizer = smollm_tokenizer
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    ids = france_prompt(smollm_tokenizer)
     mesh_tokens = greedy(chain_for(default_source, "fp32"), ids, DECODE_TOKENS)
-    with torch.inference_mode():
-        ref = smollm_reference.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=DECODE_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=2,
-        )
-    assert mesh_tokens == ref[0, ids.shape[1] :].tolist()
-    assert tokenizer.decode(mesh_tokens).startswith("The capital of France is Paris.")
+    ref = reference_greedy(smollm_reference, ids, DECODE_TOKENS)
+    assert mesh_tokens == ref
+    assert smollm_tokenizer.decode(mesh_tokens).startswith("The capital of France is Paris.")

@@ -14,7 +14,7 @@ from meshnet.models.quantize import head_dtype
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
-from tests.models.chain import Chain, greedy, reference_logits
+from tests.models.chain import Chain, france_prompt, greedy, reference_greedy, reference_logits
 
 # Relative error ||mesh - ref|| / ||ref|| of the logits; measured: see docs/quality.md.
 BOUNDS = {"int8": 0.12, "nf4": 0.40}
@@ -101,31 +101,6 @@ def test_int8_fast_path_answers_like_the_whole_model_with_the_same_weights(
     tokens = greedy(Chain(load_head(default_source, head_dtype("int8")), shards), prompt, 9)
     assert tokens == ref[:9]
     assert smollm_tokenizer.decode(tokens).startswith("The capital of France is Paris.<|im_end|>")
-
-
-def reference_greedy(model: Any, prompt: torch.Tensor, tokens: int) -> list[int]:
-    """transformers' greedy continuation of `prompt` [1, T], past end-of-sequence."""
-    with torch.inference_mode():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=2,
-        )
-    return [int(t) for t in out[0, prompt.shape[1] :]]
-
-
-def france_prompt(tokenizer: Any) -> torch.Tensor:
-    """The chat prompt "What is the capital of France?" as ids [1, T]."""
-    ids: torch.Tensor = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
-    return ids
 
 
 def copy_int8_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
