@@ -4,8 +4,9 @@ transformers' layers spend part of a decode step outside the matrix products: th
 concatenates keys and values every token, masks and positions are rebuilt, many small
 modules are called. Here each layer runs one fused q/k/v product and one fused gate/up
 product (`models/products.py`: dense, or int8 weight-only). Rotary is read from a table and
-applied to queries and keys together; norms are transformers' own modules. Keys and values
-are written in place into `StaticKV`.
+applied to queries and keys together; norms run transformers' RMSNorm formula op for op,
+without a module call. Keys and values are written in place into `StaticKV`. int8 spans can
+also compile their decode step (`models/llama_graph.py`, ADR-0023).
 
 Dense weights (fp32, bf16) attend with PyTorch's SDPA, as transformers does, and stay
 bit-for-bit equal to transformers' layers. INT8 weights have no bit-exact reference (their
