@@ -17,11 +17,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-from meshnet.models.sizing import QUANTS, layer_bytes
+from meshnet.models.sizing import layer_bytes
 from meshnet.models.spec import ModelSpec
 from meshnet.tracker.planner import ModelOffer, NodeView, plan, with_directives
 from meshnet.tracker.routing import Server, choose_route
-from meshnet.types import ModelId, NodeId
+from meshnet.types import QUANTS, ModelId, NodeId
 
 GB = 10**9
 # (name, layers, hidden, heads, kv heads, intermediate): public Llama-family shapes

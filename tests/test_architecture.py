@@ -58,10 +58,10 @@ def test_no_source_file_outgrows_400_lines() -> None:
 
 
 def test_no_print_in_library_code() -> None:
-    allowed = {"cli.py", "demo.py", "terminal.py", "status.py"}  # the terminal front ends
+    allowed = {"cli", "demo.py", "terminal.py", "status.py"}  # the terminal front ends
     offenders = [
         str(p.relative_to(SRC))
         for p in SRC.rglob("*.py")
-        if p.name not in allowed and "print(" in p.read_text()
+        if p.relative_to(SRC).parts[0] not in allowed and "print(" in p.read_text()
     ]
     assert not offenders

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshnet.types import Quant
+
 MiB = 1 << 20
+# fp32 | bf16: what int8/nf4 layers compute in and the default quantization follow,
+# instead of what the hardware detection picks (ADR-0024)
+COMPUTE_DTYPE_ENV = "MESHNET_COMPUTE_DTYPE"
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class NodeConfig:
 
     model: str = "default"  # "default", a .gguf file, a checkpoint folder or a hub id
     layers: str | None = None  # "start:end"; None = the whole model until the tracker assigns
-    quant: str | None = None  # fp32 | bf16 | int8 | nf4; None = bf16 where fast, else fp32
+    quant: Quant | None = None  # None = bf16 where fast (or $MESHNET_COMPUTE_DTYPE=bf16), else fp32
     host: str = "127.0.0.1"
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this

@@ -5,11 +5,32 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NewType
+from typing import Literal, NewType, get_args
 
 NodeId = NewType("NodeId", str)
 SessionId = NewType("SessionId", str)
 ModelId = NewType("ModelId", str)
+
+Quant = Literal["fp32", "bf16", "int8", "nf4"]  # how a node stores its layers' weights
+QUANTS: tuple[Quant, ...] = get_args(Quant)
+ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4 layers compute in (ADR-0024)
+COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
+
+
+def parse_quant(text: str) -> Quant:
+    """`text` as a `Quant`; ValueError naming the choices otherwise."""
+    for quant in QUANTS:
+        if text == quant:
+            return quant
+    raise ValueError(f"unknown quantization {text!r}; choose one of {', '.join(QUANTS)}")
+
+
+def parse_compute(text: str, what: str = "compute dtype") -> ComputeDtype:
+    """`text` as a `ComputeDtype`; ValueError naming `what` and the choices otherwise."""
+    for dtype in COMPUTE_DTYPES:
+        if text == dtype:
+            return dtype
+    raise ValueError(f"{what} must be one of {', '.join(COMPUTE_DTYPES)}, got {text!r}")
 
 # Session and node ids travel in headers and URLs: keep them to a safe, bounded alphabet.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

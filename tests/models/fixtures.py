@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from meshnet.config import COMPUTE_DTYPE_ENV
 from meshnet.models.source import ModelSource, default_gguf, resolve
+from meshnet.types import COMPUTE_DTYPES, ComputeDtype
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -54,6 +56,14 @@ def tiny_source(model_type: str = "llama") -> ModelSource:
     import tempfile
 
     return resolve(str(save_tiny(model_type, Path(tempfile.mkdtemp()))))
+
+
+@pytest.fixture(params=COMPUTE_DTYPES, ids=lambda dtype: f"compute={dtype}")
+def compute(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ComputeDtype:
+    """Runs the test once per compute dtype, whatever this CPU would pick (ADR-0024)."""
+    dtype: ComputeDtype = request.param
+    monkeypatch.setenv(COMPUTE_DTYPE_ENV, dtype)
+    return dtype
 
 
 @pytest.fixture(scope="session")

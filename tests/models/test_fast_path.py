@@ -81,7 +81,7 @@ def assert_within_bf16_rounding(ours: list[torch.Tensor], theirs: list[torch.Ten
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
-    model_type: str, tiny_folder: Callable[[str], Path]
+    model_type: str, compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
     source = resolve(str(tiny_folder(model_type)))
     int8 = load_shard(source, LayerSpan(0, source.spec.num_layers), "int8")
@@ -96,7 +96,7 @@ def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
 
 @pytest.mark.slow
 def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
-    tiny_folder: Callable[[str], Path],
+    compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
     from torch._dynamo.utils import counters
 

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from meshnet.models.loader import load_head, load_shard
-from meshnet.models.quantize import head_dtype
-from meshnet.models.sizing import layer_bytes
+from meshnet.models.quantize import head_dtype, local_layer_bytes
 from meshnet.models.source import ModelSource, resolve
-from meshnet.types import LayerSpan
+from meshnet.types import QUANTS, LayerSpan, Quant
 from tests.models.chain import Chain, france_prompt, greedy, reference_greedy, reference_logits
 
-# Relative error ||mesh - ref|| / ||ref|| of the logits; measured: see docs/quality.md.
-BOUNDS = {"int8": 0.12, "nf4": 0.40}
+# Relative error ||mesh - ref|| / ||ref|| of the logits against the fp32 model. Tiny gpt2
+# measures int8 0.009-0.010, nf4 0.080 (either compute dtype); one layer zeroed measures 0.257.
+TINY_BOUNDS = {"int8": 0.03, "nf4": 0.12}
+# SmolLM2 (docs/quality.md): int8 0.029, nf4 0.144 (its GGUF weights were already 4-bit)
+SMOLLM_BOUNDS = {"int8": 0.06, "nf4": 0.20}
 
 
 def relative_error(mesh: torch.Tensor, ref: torch.Tensor) -> float:
@@ -25,7 +27,9 @@ def relative_error(mesh: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
-def test_quantized_gpt2_shards_stay_close(quant: str, tiny_folder: Callable[[str], Path]) -> None:
+def test_quantized_gpt2_shards_stay_close(
+    quant: str, compute: str, tiny_folder: Callable[[str], Path]
+) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = tiny_folder("gpt2")
@@ -36,13 +40,14 @@ def test_quantized_gpt2_shards_stay_close(quant: str, tiny_folder: Callable[[str
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
     mesh = chain.step(ids)
     ref = reference_logits(reference, ids, ids[:, :0])
-    assert relative_error(mesh, ref) < BOUNDS[quant]
+    assert relative_error(mesh, ref) < TINY_BOUNDS[quant]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
 def test_quantized_smollm2_is_close_and_answers(
     quant: str,
+    compute: str,
     default_source: ModelSource,
     smollm_reference: Any,
     english_ids: torch.Tensor,
@@ -55,7 +60,7 @@ def test_quantized_smollm2_is_close_and_answers(
     ref = reference_logits(smollm_reference, ids, ids[:, :0])
     error = relative_error(mesh, ref)
     print(f"{quant} relative logit error {error:.4f}")
-    assert error < BOUNDS[quant], f"{quant} relative logit error {error:.4f}"
+    assert error < SMOLLM_BOUNDS[quant], f"{quant} relative logit error {error:.4f}"
     tokenizer = smollm_tokenizer
     prompt = france_prompt(tokenizer)
     answer = tokenizer.decode(greedy(Chain(head, shards), prompt, 8))
@@ -66,20 +71,37 @@ def test_quantized_smollm2_is_close_and_answers(
     assert "Paris" in answer
 
 
-@pytest.mark.parametrize("quant", ["fp32", "bf16", "int8", "nf4"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_layer_bytes_from_config_match_bytes_loaded(
-    quant: str, default_source: ModelSource
+    quant: Quant, compute: str, default_source: ModelSource
 ) -> None:
+    """The planner's and `--budget`'s figure for every (compute dtype, quant) pair, against
+    the distinct storages the loaded span holds (bitsandbytes' side tensors and the fast
+    path's own tensors included), within 2%. Measured: at most 0.45% off."""
     shard = load_shard(default_source, LayerSpan(4, 6), quant)
-    predicted = 2 * layer_bytes(
-        default_source.spec, quant, compute_bytes=shard.compute_dtype.itemsize
+    assert shard.compute_dtype == (torch.float32 if compute == "fp32" else torch.bfloat16) or (
+        quant in ("fp32", "bf16")
     )
-    assert abs(predicted - shard.weight_bytes()) / shard.weight_bytes() < 0.05
+    predicted = 2 * local_layer_bytes(default_source.spec, quant)
+    assert abs(predicted - shard.weight_bytes()) / shard.weight_bytes() < 0.02
+
+
+def test_int8_row_scales_count_after_bitsandbytes_moves_them(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    """bitsandbytes moves `SCB` off the weight on the first eager forward; the count holds."""
+    source = resolve(str(tiny_folder("llama")))
+    shard = load_shard(source, LayerSpan(0, 2), "int8", fast=False)  # warm-up ran a forward
+    moved = [m for m in shard.layers.modules() if type(m).__name__ == "Linear8bitLt"]
+    assert moved and all(getattr(m.weight, "SCB", None) is None for m in moved)
+    parameters = sum(p.numel() * p.element_size() for p in shard.layers.parameters())
+    scales = sum(m.state.SCB.numel() * 4 for m in moved)  # float32, one per output row
+    assert shard.weight_bytes() == parameters + scales
 
 
 @pytest.mark.slow
 def test_int8_fast_path_answers_like_the_whole_model_with_the_same_weights(
-    default_source: ModelSource, smollm_reference: Any, smollm_tokenizer: Any
+    compute: str, default_source: ModelSource, smollm_reference: Any, smollm_tokenizer: Any
 ) -> None:
     """The fast path runs bitsandbytes' int8 weights with a weight-only kernel; the whole
     transformers model holding the same weights (dequantized, fp32) picks the same tokens."""
@@ -110,3 +132,45 @@ def copy_int8_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
             weight: Any = module.weight
             dequantized = weight.data.float() * weight.SCB.float()[:, None] / 127.0
             theirs.get_submodule(name).weight.data = dequantized
+
+
+@pytest.mark.slow
+def test_nf4_layers_equal_the_whole_model_holding_the_same_weights(
+    compute: str, default_source: ModelSource, smollm_reference: Any, english_ids: torch.Tensor
+) -> None:
+    """nf4 shards of the real model against transformers holding the nf4 weights (each
+    linear read back by running it on the identity): only compute rounding may differ, so a
+    skipped layer, a lost cache or a wrong block scale cannot hide in nf4's own error."""
+    shards = [load_shard(default_source, s, "nf4") for s in LayerSpan(0, 30).split(3)]
+    ids = english_ids[:, :40]
+    originals = {name: p.data for name, p in smollm_reference.named_parameters()}
+    try:
+        for shard in shards:
+            for local, index in enumerate(shard.span):
+                copy_linear_weights(shard.layers[local], smollm_reference.model.layers[index])
+        ref = reference_logits(smollm_reference, ids[:, :32], ids[:, 32:])
+    finally:
+        for name, parameter in smollm_reference.named_parameters():
+            parameter.data = originals[name]
+    chain = Chain(load_head(default_source, torch.float32), shards)
+    steps = [chain.step(ids[:, :32])] + [chain.step(ids[:, i : i + 1]) for i in range(32, 40)]
+    mesh = torch.cat(steps, dim=1)  # prefill, then 8 cached decode steps
+    error = relative_error(mesh, ref)
+    print(f"nf4 same-weights relative logit error ({compute} compute) {error:.4f}")
+    assert error < NF4_SAME_WEIGHTS_BOUND[compute]
+
+
+# nf4 vs the same weights, measured: fp32 compute 0.0030, bf16 compute 0.0172
+NF4_SAME_WEIGHTS_BOUND = {"fp32": 0.01, "bf16": 0.04}
+
+
+def copy_linear_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """Set `theirs`' linear weights to what `ours`' quantized linears compute with: a
+    linear applied to the identity [K, K] gives W.T (bitsandbytes' layout does not matter)."""
+    for name, module in ours.named_modules():
+        if type(module).__name__ == "Linear4bit":
+            target = theirs.get_submodule(name)
+            eye = torch.eye(target.in_features, dtype=module.compute_dtype or torch.float32)
+            with torch.inference_mode():
+                weight = module(eye).float().t().contiguous()
+            target.weight.data = weight

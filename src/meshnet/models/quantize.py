@@ -5,11 +5,18 @@ The fast path runs int8 weights with PyTorch's weight-only kernel (`models/produ
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from meshnet.config import COMPUTE_DTYPE_ENV
+from meshnet.models import sizing
+from meshnet.models.spec import ModelSpec
+from meshnet.types import ComputeDtype, Quant, parse_compute, parse_quant
 
 log = logging.getLogger(__name__)
 # bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts); that is
@@ -17,11 +24,13 @@ log = logging.getLogger(__name__)
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16-bit
 
-QUANTS = ("fp32", "bf16", "int8", "nf4")
 NF4_BLOCK = 64  # weights per absmax scale
 
 
-def bf16_is_fast() -> bool:
+
+
+@functools.cache
+def hardware_bf16_is_fast() -> bool:
     """CUDA, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
     if torch.cuda.is_available():
         return True
@@ -30,17 +39,51 @@ def bf16_is_fast() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def default_quant() -> str:
+def preferred_compute() -> ComputeDtype:
+    """What int8/nf4 layers compute in and what the default quantization follows: bf16 where
+    the hardware has fast bf16, else fp32; `$MESHNET_COMPUTE_DTYPE` overrides the detection
+    (ADR-0024), as `ATEN_CPU_CAPABILITY` does PyTorch's, so any machine can run both paths."""
+    override = os.environ.get(COMPUTE_DTYPE_ENV, "").strip()
+    if override:
+        return parse_compute(override, COMPUTE_DTYPE_ENV)
+    return "bf16" if hardware_bf16_is_fast() else "fp32"
+
+
+def bf16_is_fast() -> bool:
+    """True when this process computes quantized layers in bf16 (`preferred_compute`)."""
+    return preferred_compute() == "bf16"
+
+
+def default_quant() -> Quant:
     return "bf16" if bf16_is_fast() else "fp32"
 
 
 def compute_dtype(quant: str) -> torch.dtype:
-    """The dtype a shard computes in: fp32 for fp32 weights, else bf16 where it is fast."""
+    """The dtype a shard computes in: fp32 for fp32 weights, bf16 for bf16 weights, and for
+    int8/nf4 the preferred compute dtype (`preferred_compute`)."""
     if quant == "fp32":
         return torch.float32
     if quant == "bf16":
         return torch.bfloat16
     return torch.bfloat16 if bf16_is_fast() else torch.float32
+
+
+def nf4_packed_for_cpu() -> bool:
+    """Whether bitsandbytes repacks nf4 weights here for its AVX512-BF16 kernel (which
+    computes in bf16 and keeps bf16 absmax): only on such a CPU, and only when this process
+    computes in bf16 (`_quantized` turns the repacking off otherwise)."""
+    if not bf16_is_fast():
+        return False
+    from bitsandbytes.functional import has_avx512bf16
+
+    return bool(has_avx512bf16())
+
+
+def local_layer_bytes(spec: ModelSpec, quant: Quant) -> int:
+    """Bytes one layer of `spec` at `quant` holds in this process (`sizing.layer_bytes` with
+    this process's compute dtype and nf4 layout)."""
+    packed = quant == "nf4" and nf4_packed_for_cpu()
+    return sizing.layer_bytes(spec, quant, preferred_compute(), packed_nf4=packed)
 
 
 def head_dtype(quant: str) -> torch.dtype:
@@ -49,10 +92,8 @@ def head_dtype(quant: str) -> torch.dtype:
     return torch.float32 if quant == "fp32" else torch.bfloat16
 
 
-def check_quant(quant: str) -> str:
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quantization {quant!r}; choose one of {QUANTS}")
-    return quant
+def check_quant(quant: str) -> Quant:
+    return parse_quant(quant)
 
 
 def quantize_layer(layer: nn.Module, quant: str) -> nn.Module:
@@ -116,6 +157,9 @@ def _quantized(
             blocksize=NF4_BLOCK,
             module=q,
         )
+        # bitsandbytes repacks for its bf16 kernel on an AVX512-BF16 CPU whatever we compute
+        # in; with fp32 compute it must not (the switch then means fp32 everywhere)
+        setattr(q, "support_avx512bf16_for_cpu", nf4_packed_for_cpu())  # noqa: B010
     if bias is not None:
         q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
     return q.to("cpu")  # bitsandbytes quantizes on this move

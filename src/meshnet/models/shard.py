@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,8 @@ class Shard:
         return out.to(torch.bfloat16)
 
     def weight_bytes(self) -> int:
-        """Bytes of parameters and buffers (quantization states included)."""
-        return module_bytes(self.layers)
+        """Bytes this shard's weights hold (see `held_bytes`)."""
+        return held_bytes(self)
 
 
 class Head(nn.Module):
@@ -94,23 +95,42 @@ class Head(nn.Module):
         return logits.float()
 
 
-def module_bytes(module: nn.Module) -> int:
-    """Bytes held by a module's parameters and buffers, bitsandbytes states included."""
-    total = 0
-    for tensor in [*module.parameters(), *module.buffers()]:
-        total += tensor.numel() * tensor.element_size()
-        state = getattr(tensor, "quant_state", None)  # nf4: absmax per block
-        if state is not None:
-            total += sum(t.numel() * t.element_size() for t in _state_tensors(state))
-        scales = getattr(tensor, "SCB", None)  # int8: one scale per output row
-        if isinstance(scales, torch.Tensor):
-            total += scales.numel() * scales.element_size()
-    return total
+def held_bytes(shard: Shard) -> int:
+    """Bytes of the distinct storages a shard's layers and fast path hold.
+
+    Counts every tensor once however many views share it: parameters and buffers,
+    bitsandbytes' side tensors (nf4 absmax and code, int8 row scales `SCB`, wherever
+    bitsandbytes keeps them after the first forward) and the fast path's own tensors (fused
+    biases, the int8 product's bf16 scales). Fused weights are views: they add nothing.
+    """
+    roots: list[Any] = [shard.layers]
+    if shard.fast is not None:
+        roots.append(shard.fast.layers)
+    storages: dict[int, int] = {}
+    for tensor in _tensors(roots, depth=4):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and tensor.device.type != "meta":
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
-def _state_tensors(state: Any) -> list[torch.Tensor]:
-    found = [getattr(state, name, None) for name in ("absmax", "code")]
-    nested = getattr(state, "state2", None)
-    if nested is not None:
-        found += _state_tensors(nested)
-    return [t for t in found if isinstance(t, torch.Tensor)]
+def _tensors(value: Any, depth: int) -> Iterator[torch.Tensor]:
+    """Tensors reachable from `value`: modules, their bitsandbytes states, lists, plain
+    objects' attributes (the fast path's products and norms), `depth` levels down."""
+    if isinstance(value, torch.Tensor):
+        yield value
+        for name in ("SCB", "quant_state"):  # bitsandbytes hangs these on its parameters
+            yield from _tensors(getattr(value, name, None), depth - 1)
+    elif depth <= 0 or value is None:
+        return
+    elif isinstance(value, nn.Module):
+        for module in value.modules():
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                yield from _tensors(tensor, depth)
+            yield from _tensors(getattr(module, "state", None), depth - 1)  # int8 after a call
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item, depth - 1)
+    elif hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            yield from _tensors(item, depth - 1)

@@ -7,28 +7,35 @@ from __future__ import annotations
 
 from meshnet.models import registry
 from meshnet.models.spec import ModelSpec
+from meshnet.types import ComputeDtype, Quant
 
 # bytes per weight of a linear layer, and per other parameter (norms, biases), by quantization
-_LINEAR_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5}
-QUANTS = tuple(_LINEAR_BYTES)
-NF4_BLOCK = 64  # one float32 absmax per block of 64 weights
+_LINEAR_BYTES: dict[Quant, float] = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5}
+NF4_BLOCK = 64  # weights per absmax scale
+# int8: bitsandbytes' float32 row scale (`SCB`) plus the fast path's bf16 copy (ADR-0022)
+INT8_ROW_BYTES = 4 + 2
 
 
-def layer_bytes(spec: ModelSpec, quant: str, *, compute_bytes: int | None = None) -> int:
-    """Bytes of one decoder layer's weights at `quant`.
+def layer_bytes(
+    spec: ModelSpec, quant: Quant, compute: ComputeDtype | None = None, packed_nf4: bool = False
+) -> int:
+    """Bytes of one decoder layer's weights at `quant`, computing in `compute`.
 
-    `compute_bytes` is the element size of non-linear parameters (norms, biases); it defaults
-    to 4 for fp32 and 2 otherwise (int8/nf4 keep those in the compute dtype).
+    Non-linear parameters (norms, biases) are kept in the compute dtype: fp32 for fp32
+    weights, bf16 for bf16 weights, `compute` for int8/nf4 (None: bf16, the smaller). nf4
+    keeps one absmax per 64 weights: float32, or bf16 once bitsandbytes has repacked the
+    weights for its AVX512-BF16 kernel (`packed_nf4`; `quantize.local_layer_bytes` knows).
+    The tracker calls this with the defaults; a node sizes its own span exactly.
     """
     if quant not in _LINEAR_BYTES:
         raise ValueError(f"unknown quantization {quant!r}")
     linear, out_rows, other = registry.get(spec.model_type).layer_params(spec)
-    other_bytes = compute_bytes if compute_bytes is not None else (4 if quant == "fp32" else 2)
+    other_bytes = 4 if quant == "fp32" or (quant != "bf16" and compute == "fp32") else 2
     total = linear * _LINEAR_BYTES[quant] + other * other_bytes
     if quant == "int8":
-        total += out_rows * 4  # one float32 scale per output row
+        total += out_rows * INT8_ROW_BYTES
     elif quant == "nf4":
-        total += linear / NF4_BLOCK * 4
+        total += linear / NF4_BLOCK * (2 if packed_nf4 else 4)
     return int(total)
 
 
@@ -38,6 +45,7 @@ def head_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     return (matrices * spec.vocab_size + 1) * spec.hidden_size * dtype_bytes
 
 
-def layers_that_fit(spec: ModelSpec, quant: str, budget_bytes: int) -> int:
-    """How many whole layers of `spec` at `quant` fit in `budget_bytes` (at most all of them)."""
-    return max(0, min(spec.num_layers, budget_bytes // layer_bytes(spec, quant)))
+def layers_that_fit(spec: ModelSpec, per_layer_bytes: int, budget_bytes: int) -> int:
+    """How many whole layers of `spec`, each `per_layer_bytes`, fit in `budget_bytes` (at
+    most all of them)."""
+    return max(0, min(spec.num_layers, budget_bytes // per_layer_bytes))

@@ -42,7 +42,7 @@ from meshnet.config import (
 from meshnet.errors import ModelError
 from meshnet.models import sizing
 from meshnet.models.loader import load_head, load_tokenizer
-from meshnet.models.quantize import default_quant, head_dtype
+from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_metrics_route, add_node_routes
@@ -88,7 +88,7 @@ def entry_span(config: NodeConfig) -> LayerSpan:
     quant = config.quant or default_quant()
     usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
     usable -= sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
-    count = sizing.layers_that_fit(spec, quant, usable)
+    count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant), usable)
     if count < 1:
         raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
     return LayerSpan(0, count)
@@ -98,7 +98,7 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     """The budget the entry registers for layers: `--budget` less the head, or just its span."""
     spec = resolve(config.model).spec
     quant = config.quant or default_quant()
-    span_bytes = len(span) * sizing.layer_bytes(spec, quant)
+    span_bytes = len(span) * local_layer_bytes(spec, quant)
     needed = math.ceil(span_bytes / (1 - config.kv_reserve_fraction)) + 1
     if config.budget_bytes is None:
         return needed

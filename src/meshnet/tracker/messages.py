@@ -9,10 +9,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshnet.types import LayerSpan
+from meshnet.types import LayerSpan, Quant
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-Quant = Literal["fp32", "bf16", "int8", "nf4"]
 Op = Literal["LOAD_SHARD", "DROP_SHARD"]
 MAX_BYTES = 1 << 60  # a budget beyond an exabyte is a typo or an attack
 MAX_SHARDS = 256  # shards one node may list

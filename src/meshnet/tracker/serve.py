@@ -8,14 +8,14 @@ import time
 import uvicorn
 
 from meshnet.config import AccessConfig, TrackerConfig
-from meshnet.models.sizing import QUANTS, layer_bytes
+from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import resolve
 from meshnet.security.signing import Signer
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import HttpProber
 from meshnet.tracker.registry import Registry
-from meshnet.types import ModelId, is_valid_id
+from meshnet.types import QUANTS, ModelId, is_valid_id
 
 log = logging.getLogger(__name__)
 

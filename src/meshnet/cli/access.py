@@ -1,0 +1,60 @@
+"""Flags for who may call a serving process (swarm key, API keys) and the API's limits."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshnet.cli.flags import parse_bytes
+from meshnet.config import AccessConfig, ApiLimits
+from meshnet.security.keys import resolve_api_keys, resolve_swarm_key
+
+
+def add_access_flags(parser: argparse.ArgumentParser) -> None:
+    """Membership (swarm key), client API keys and the API's per-client limits."""
+    group = parser.add_argument_group("access")
+    group.add_argument(
+        "--swarm-key",
+        help="the mesh's shared secret (default: $MESHNET_SWARM_KEY, or the key file)",
+    )
+    group.add_argument(
+        "--swarm-key-file",
+        help="the key file (default ~/.meshnet/swarm.key; a tracker creates it on first start)",
+    )
+    group.add_argument(
+        "--api-key", action="append", dest="api_keys", help="a client API key (repeatable)"
+    )
+    group.add_argument("--api-keys-file", help="client API keys, one per line")
+    group.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="with no API key configured, serve the API to non-loopback clients too",
+    )
+    limits = parser.add_argument_group("API limits (per client)")
+    default = ApiLimits()
+    limits.add_argument("--max-body", type=parse_bytes, default=default.max_body_bytes)
+    limits.add_argument("--max-prompt-tokens", type=int, default=default.max_prompt_tokens)
+    limits.add_argument("--max-tokens-limit", type=int, default=default.max_tokens)
+    limits.add_argument("--max-concurrent", type=int, default=default.max_concurrent_per_client)
+    limits.add_argument(
+        "--rate-limit",
+        type=float,
+        default=default.requests_per_minute,
+        help="requests per minute per client (0 = none)",
+    )
+
+
+def access_config(args: argparse.Namespace, create_key: bool) -> tuple[AccessConfig, str]:
+    """The access settings, and where the swarm key came from (in words)."""
+    key, origin = resolve_swarm_key(args.swarm_key, args.swarm_key_file, create=create_key)
+    keys = resolve_api_keys(args.api_keys, args.api_keys_file)
+    return AccessConfig(key, keys, args.allow_unauthenticated), origin
+
+
+def api_limits(args: argparse.Namespace) -> ApiLimits:
+    return ApiLimits(
+        max_body_bytes=args.max_body,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens_limit,
+        max_concurrent_per_client=args.max_concurrent,
+        requests_per_minute=args.rate_limit,
+    )

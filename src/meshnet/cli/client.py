@@ -1,0 +1,86 @@
+"""`meshnet generate`, `chat` and `status`: clients of a running mesh."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from meshnet.errors import MeshError
+from meshnet.security.keys import resolve_swarm_key
+from meshnet.status import run_status
+from meshnet.terminal import GenerateOptions, run_chat, run_generate
+
+DEFAULT_TRACKER = "http://127.0.0.1:8000"
+
+
+def add_client_commands(sub: Any) -> None:
+    """`generate`, `chat` and `status` on the `meshnet` subparsers `sub`."""
+    for name, text in (("generate", "stream one answer to stdout"), ("chat", "chat in a loop")):
+        client = sub.add_parser(name, help=text)
+        add_client_flags(client)
+        if name == "generate":
+            client.add_argument("prompt", help="the prompt (a user message unless --raw)")
+            client.add_argument("--raw", action="store_true", help="complete the prompt as text")
+    status = sub.add_parser("status", help="show a tracker's coverage map and nodes")
+    status.add_argument("--tracker", default=DEFAULT_TRACKER, help="the tracker's URL")
+    status.add_argument(
+        "--api-key",
+        default=os.environ.get("MESHNET_API_KEY"),
+        help="an API key of the tracker (default: $MESHNET_API_KEY; none needed on loopback)",
+    )
+    status.add_argument("--swarm-key-file", help="sign with this swarm key file instead")
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    default = GenerateOptions()
+    parser.add_argument(
+        "--tracker",
+        default=DEFAULT_TRACKER,
+        help="the tracker-as-entry-node (or an entry node) to ask (default %(default)s)",
+    )
+    parser.add_argument("--model", help="model id (default: the first one served)")
+    parser.add_argument("--max-tokens", type=int, default=default.max_tokens)
+    parser.add_argument("--temperature", type=float, default=default.temperature, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=default.top_p)
+    parser.add_argument("--top-k", type=int, default=default.top_k, help="0 = no limit")
+    parser.add_argument("--seed", type=int, help="reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MESHNET_API_KEY"),
+        help="the API key to send (default: $MESHNET_API_KEY)",
+    )
+
+
+def generate_options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        raw=getattr(args, "raw", False),
+        api_key=args.api_key,
+    )
+
+
+def status_swarm_key(args: argparse.Namespace) -> str | None:
+    """A swarm key to sign `status` with, when this machine has one (never created here)."""
+    if args.api_key:
+        return None
+    try:
+        key, _ = resolve_swarm_key(None, args.swarm_key_file, create=False)
+    except MeshError:
+        return None
+    return key
+
+
+def run_client(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return run_generate(args.tracker, args.prompt, generate_options(args))
+    if args.command == "chat":
+        return run_chat(args.tracker, generate_options(args))
+    return run_status(args.tracker, args.api_key, status_swarm_key(args))

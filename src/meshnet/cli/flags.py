@@ -1,0 +1,61 @@
+"""Flag parsers and flag groups more than one command shares."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+from meshnet.config import COMPUTE_DTYPE_ENV
+from meshnet.errors import ConfigError
+from meshnet.types import parse_compute
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MB`, `1e9` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else "?"
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
+    try:
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
+
+
+def add_log_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """Log flags, accepted before or after the command (after wins)."""
+    level: Any = "INFO" if defaults else argparse.SUPPRESS
+    fmt: Any = "text" if defaults else argparse.SUPPRESS
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-level", default=level, help="logging level (default INFO)")
+    group.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=fmt,
+        help="text lines, or one JSON object a line for machines (default text)",
+    )
+
+
+def check_environment() -> None:
+    """Refuse to start on a `$MESHNET_COMPUTE_DTYPE` that is not fp32 or bf16 (ADR-0024)."""
+    value = os.environ.get(COMPUTE_DTYPE_ENV, "").strip()
+    if value:
+        try:
+            parse_compute(value, f"${COMPUTE_DTYPE_ENV}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

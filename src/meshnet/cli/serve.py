@@ -1,0 +1,206 @@
+"""`meshnet node` and `meshnet tracker`: flags onto `NodeConfig`, `TrackerConfig` and
+`EntryConfig`, then the role's own `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from typing import Any
+
+from meshnet.cli.access import access_config, add_access_flags, api_limits
+from meshnet.cli.flags import parse_bytes
+from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
+from meshnet.security.keys import join_command
+from meshnet.types import QUANTS
+
+QUANT_HELP = "weight format (default: bf16 where fast or $MESHNET_COMPUTE_DTYPE=bf16, else fp32)"
+
+
+def add_serve_commands(sub: Any) -> None:
+    """`node` and `tracker` on the `meshnet` subparsers `sub`."""
+    node, default = sub.add_parser("node", help="serve a span of a model's layers"), NodeConfig()
+    node.add_argument(
+        "--model",
+        default=default.model,
+        help="'default', a .gguf file, a checkpoint folder or a hub id",
+    )
+    node.add_argument("--layers", help="the span to serve, 'start:end' (default: all)")
+    node.add_argument("--quant", choices=QUANTS, help=QUANT_HELP)
+    node.add_argument("--host", default=default.host)
+    node.add_argument("--port", type=int, default=default.port)
+    node.add_argument("--tracker", help="join this tracker (URL) and serve what it assigns")
+    node.add_argument("--public-address", help="address peers use, if not http://HOST:PORT")
+    node.add_argument(
+        "--budget",
+        type=parse_bytes,
+        help="memory for weights and KV cache, e.g. 4GiB (default: free GPU "
+        "memory, or half the available RAM)",
+    )
+    node.add_argument("--data-dir", help="where the node keeps its id (default ~/.meshnet)")
+    node.add_argument(
+        "--entry",
+        action="store_true",
+        help="also hold the head and serve the OpenAI-compatible API (needs --layers 0:K)",
+    )
+    add_node_flags(node)
+    add_access_flags(node)
+    add_tracker_command(sub)
+
+
+def add_tracker_command(sub: Any) -> None:
+    tracker = sub.add_parser(
+        "tracker", help="run the control plane (with --layers or --budget: also an entry node)"
+    )
+    default = TrackerConfig()
+    tracker.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help=f"a model to offer (repeatable; default: {', '.join(default.models)})",
+    )
+    tracker.add_argument("--host", default=default.host)
+    tracker.add_argument("--port", type=int, default=default.port)
+    tracker.add_argument(
+        "--heartbeat-interval", type=float, default=default.heartbeat_interval_s, help="seconds"
+    )
+    tracker.add_argument(
+        "--dead-after",
+        type=float,
+        default=default.dead_after_s,
+        help="seconds without a heartbeat before a node counts as dead",
+    )
+    tracker.add_argument(
+        "--layers", help="serve layers 'start:end' of the first model here (start must be 0)"
+    )
+    tracker.add_argument(
+        "--budget", type=parse_bytes, help="memory for its own span and head (picks K)"
+    )
+    tracker.add_argument("--quant", choices=QUANTS, help=QUANT_HELP)
+    tracker.add_argument("--data-dir", help="where its node id is kept (default ~/.meshnet)")
+    add_node_flags(tracker)
+    add_access_flags(tracker)
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """Limits, speed switches and the entry's hop timeout: nodes and the tracker's own span."""
+    default, entry = NodeConfig(), EntryConfig()
+    group = parser.add_argument_group("node limits")
+    group.add_argument("--max-sessions", type=int, default=default.max_sessions)
+    group.add_argument(
+        "--max-kv-cache",
+        type=parse_bytes,
+        default=default.max_cache_bytes,
+        help="KV-cache memory for all sessions of a shard",
+    )
+    group.add_argument(
+        "--session-ttl", type=float, default=default.session_ttl_s, help="idle seconds"
+    )
+    group.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=entry.hop_timeout_s,
+        help="an entry gives up on a hop after this many seconds and fails over (a hung node)",
+    )
+    parser.add_argument(
+        "--no-fast-path",
+        dest="fast_path",
+        action="store_false",
+        help="run transformers' own layers instead of the fast decode path (for debugging)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the fast path's decode step eagerly, without torch.compile (for debugging)",
+    )
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        model=args.model,
+        layers=args.layers,
+        quant=args.quant,
+        host=args.host,
+        port=args.port,
+        tracker_url=args.tracker,
+        public_address=args.public_address,
+        budget_bytes=args.budget,
+        data_dir=args.data_dir,
+        entry=args.entry,
+        **node_limits(args),
+    )
+
+
+def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
+    """The tracker's own entry-node part (host, port and model come from the tracker)."""
+    return NodeConfig(
+        layers=args.layers,
+        quant=args.quant,
+        budget_bytes=args.budget,
+        data_dir=args.data_dir,
+        **node_limits(args),
+    )
+
+
+def node_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags nodes and the tracker's own span share, as `NodeConfig` fields."""
+    return {
+        "max_sessions": args.max_sessions,
+        "max_cache_bytes": args.max_kv_cache,
+        "session_ttl_s": args.session_ttl,
+        "fast_path": args.fast_path,
+        "compile": args.compile,
+    }
+
+
+def entry_config(args: argparse.Namespace) -> EntryConfig:
+    return EntryConfig(hop_timeout_s=args.hop_timeout)
+
+
+def tracker_config(args: argparse.Namespace) -> TrackerConfig:
+    return TrackerConfig(
+        models=tuple(args.models or TrackerConfig().models),
+        host=args.host,
+        port=args.port,
+        heartbeat_interval_s=args.heartbeat_interval,
+        dead_after_s=args.dead_after,
+    )
+
+
+def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
+    """Print how a node joins this tracker (the key travels in the environment, not argv)."""
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+    command = join_command(f"http://{host}:{args.port}", key)
+    print(f"meshnet tracker: swarm key {origin}", flush=True)
+    print(f"meshnet tracker: join this mesh with:\n  {command}", flush=True)
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    access, origin = access_config(args, create_key=True)
+    announce_tracker(args, access.swarm_key or "", origin)
+    if not access.api_keys and not access.allow_unauthenticated:
+        logging.getLogger(__name__).info("no API keys: the API answers loopback clients only")
+    if args.layers is None and args.budget is None:
+        from meshnet.tracker.serve import serve as serve_tracker
+
+        serve_tracker(tracker_config(args), access)
+        return 0
+    from meshnet.node.entry import serve_tracker_node
+
+    config, entry = tracker_node_config(args), entry_config(args)
+    serve_tracker_node(tracker_config(args), config, entry, access, api_limits(args))
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    access, _ = access_config(args, create_key=args.tracker is None)
+    if args.entry:
+        from meshnet.node.entry import serve_entry
+
+        serve_entry(node_config(args), entry_config(args), access, api_limits(args))
+        return 0
+    from meshnet.node.serve import serve
+
+    serve(node_config(args), access)
+    return 0
