@@ -95,6 +95,27 @@ def test_signed_member_calls_get_in_and_a_replay_does_not() -> None:
     assert wrong.status_code == 401
 
 
+def test_a_signed_call_sent_twice_to_the_same_app_gets_in_once() -> None:
+    """The same signed headers (method, path, time, nonce, body) replayed to the same app:
+    the nonce store refuses the second one, and the app never sees it."""
+    headers = Signer(SWARM).headers("POST", "/member", b"payload")
+    application = app(KEYED)
+
+    async def send_twice() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 1234))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [
+                await client.post("/member", headers=headers, content=b"payload")
+                for _ in range(2)
+            ]
+
+    calls.clear()
+    first, replay = run(send_twice())
+    assert first.status_code == 200 and first.json()["client"] == "swarm"
+    assert replay.status_code == 401 and "replay" in replay.json()["error"]["message"]
+    assert len(calls) == 1
+
+
 def test_without_api_keys_only_loopback_clients_use_the_api() -> None:
     open_mesh = AccessConfig(swarm_key=SWARM)
     assert call(open_mesh, "GET", "/api").json()["client"] == "ip:127.0.0.1"

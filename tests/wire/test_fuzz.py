@@ -89,3 +89,57 @@ def test_corrupted_valid_frames_never_escape_as_other_errors(
     except WireError:
         return
     assert out.shape == (1, tokens, hidden)
+
+
+# Near misses per header: each is wrong only in its own way, so the other checks pass.
+NEAR_MISSES = {
+    h.SESSION: ["", "-s", "s" * 129, "s/../x", "s\u00e9"],
+    h.MODEL: ["", "m m", "m" * 129, "/m"],
+    h.LAYERS: ["3:0", "0:0", "0-3", "a:b", "0:3:6", "-1:3"],
+    h.POSITION: ["-1", "x", "1.5", "", "99999999999999999999999"],
+    h.CHUNK_INDEX: ["-1", "3", "x", "2"],
+    h.CHUNK_TOTAL: ["0", "-2", "x", "1.0"],
+    h.ENCODING: ["gzip", "ZSTD-SHUFFLE-2", "zstd", "zstd-shuffle"],
+}
+
+
+@st.composite
+def mostly_valid_frames(draw: st.DrawFn) -> tuple[dict[str, str], bytes]:
+    """A valid frame with at most two headers replaced by near misses, and sometimes its
+    body's encoding claimed wrong or its body cut: these reach the checks after the first
+    three headers (session, model, layers, position, chunks, decompression)."""
+    from meshnet.config import WireConfig
+    from meshnet.types import LayerSpan, ModelId, SessionId
+
+    tokens, encoding = draw(st.integers(1, 8)), draw(st.sampled_from(["none", "zstd"]))
+    meta = FrameMeta(SessionId("s-1"), ModelId("m"), LayerSpan(0, 3), draw(st.integers(0, 9)))
+    frame = encode(torch.ones(1, tokens, 16), meta, WireConfig(encoding=encoding))
+    headers, body = dict(frame.headers), bytes(frame.body)
+    for name in draw(st.lists(st.sampled_from(sorted(NEAR_MISSES)), max_size=2, unique=True)):
+        headers[name] = draw(st.sampled_from(NEAR_MISSES[name]))
+    if draw(st.booleans()) and len(body) > 1:
+        body = body[: draw(st.integers(1, len(body) - 1))]
+    return headers, body
+
+
+def test_mostly_valid_frames_reach_every_check() -> None:
+    """Every example decodes or raises a WireError naming the part at fault; across the run
+    each later check is reached, and some frames decode (the fuzz is not stopped early)."""
+    reached: dict[str, int] = {}
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(frame=mostly_valid_frames())
+    def check(frame: tuple[dict[str, str], bytes]) -> None:
+        headers, body = frame
+        try:
+            _, tensor = decode(headers, body, LIMITS)
+        except WireError as exc:
+            reached[exc.field or "?"] = reached.get(exc.field or "?", 0) + 1
+            return
+        reached["decoded"] = reached.get("decoded", 0) + 1
+        assert tensor.shape[0] == 1 and tensor.shape[2] == 16
+
+    check()
+    later = {h.SESSION, h.MODEL, h.LAYERS, h.POSITION, h.CHUNK_INDEX, h.ENCODING, "body"}
+    print(f"reached: {reached}")
+    assert later | {"decoded"} <= set(reached), reached
