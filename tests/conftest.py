@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import os
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 T = TypeVar("T")
 
@@ -19,3 +23,22 @@ def run(coro: Awaitable[T]) -> T:
 
 
 pytest_plugins = ["tests.models.fixtures"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Tests, and every process they start, see a fresh temporary HOME: node folders and key
+    files never land in the user's `~/.meshnet`. The tokenizer cache (`$MESHNET_CACHE`) stays
+    where it was: it is a cache, and converting the GGUF vocabulary costs each run seconds."""
+    saved = {name: os.environ.get(name) for name in ("HOME", "MESHNET_CACHE")}
+    cache = saved["MESHNET_CACHE"] or str(Path.home() / ".cache" / "meshnet")
+    home = tmp_path_factory.mktemp("home")
+    os.environ.update(HOME=str(home), MESHNET_CACHE=cache)
+    try:
+        yield home
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -21,3 +21,50 @@ def test_speed_switches_map_onto_node_config(
     for config in (node, tracker):
         assert (config.fast_path, config.compile) == (fast_path, compile)
     assert node.quant == "int8"
+
+
+def test_flag_defaults_are_the_config_defaults() -> None:
+    from meshnet.cli.serve import entry_config, tracker_config
+    from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
+
+    node = build_parser().parse_args(["node"])
+    assert node_config(node) == NodeConfig()
+    assert entry_config(node) == EntryConfig()
+    tracker = build_parser().parse_args(["tracker"])
+    assert tracker_config(tracker) == TrackerConfig()
+    assert entry_config(build_parser().parse_args(["tracker", "--hop-timeout", "4"])) == (
+        EntryConfig(hop_timeout_s=4.0)
+    )
+
+
+def test_quant_choices_are_the_quant_type() -> None:
+    from meshnet.types import QUANTS
+
+    for quant in QUANTS:
+        assert node_config(build_parser().parse_args(["node", "--quant", quant])).quant == quant
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["node", "--quant", "int4"])
+
+
+def test_a_bad_compute_dtype_stops_any_command_with_its_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshnet.cli import main
+
+    monkeypatch.setenv("MESHNET_COMPUTE_DTYPE", "fp16")
+    assert main(["status", "--tracker", "http://127.0.0.1:9"]) == 2
+    assert "$MESHNET_COMPUTE_DTYPE must be one of fp32, bf16, got 'fp16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "expected"), [("fp32", "fp32"), ("bf16", "bf16"), ("", None)])
+def test_the_switch_overrides_the_detection(
+    value: str, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshnet.models import quantize
+
+    monkeypatch.setenv("MESHNET_COMPUTE_DTYPE", value)
+    detected = "bf16" if quantize.hardware_bf16_is_fast() else "fp32"
+    assert quantize.preferred_compute() == (expected or detected)
+    assert quantize.default_quant() == quantize.preferred_compute()
+    int8 = quantize.compute_dtype("int8")
+    assert str(int8) == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[expected or detected]

@@ -14,6 +14,7 @@ prints the join command; every node is started with the environment that command
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,12 +23,16 @@ from typing import Any
 
 import httpx
 
+from meshnet.types import LayerSpan
 from tests.e2e.procs import free_port, get_json, start, stop, wait_for
 
 BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NODES = ("a", "b", "c", "d")
 COPIES = 2  # at least, of each span after the entry's
 API_KEY = "e2e-client-key-0001"  # the `node --entry` process's API key
+HOP_TIMEOUT_S = 4.0  # the tracker-as-entry gives up on a hung hop after this (--hop-timeout)
+# the `node --entry` process's API limits, set by flag (tests/e2e/test_limits_mesh.py)
+ENTRY_LIMITS = {"--max-prompt-tokens": "1000", "--max-tokens-limit": "100", "--max-body": "64KB"}
 JOIN = re.compile(r"^\s*(MESHNET_SWARM_KEY)=(\S+) meshnet node --tracker (\S+)$", re.M)
 
 
@@ -40,7 +45,8 @@ class Mesh:
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.args: dict[str, list[str]] = {}
-        self.addresses: dict[str, str] = {}  # the six plain nodes
+        self.addresses: dict[str, str] = {}  # the four plain nodes
+        self.extra: dict[str, str] = {}  # nodes a test added with `launch_pinned`
         self.entry = ""  # the `node --entry` process's URL
         self.key_file = folder / "swarm.key"
         self.env = {k: v for k, v in os.environ.items() if k != "MESHNET_SWARM_KEY"}
@@ -54,12 +60,14 @@ class Mesh:
             "tracker",
             ["tracker", "--port", str(self.port), "--layers", "0:10", "--quant", "fp32"]
             + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")]
+            + ["--hop-timeout", str(HOP_TIMEOUT_S)]
             + ["--swarm-key-file", str(self.key_file)],
         )
         self.env["MESHNET_SWARM_KEY"] = self.join_key()
         port = free_port()
         self.entry = f"http://127.0.0.1:{port}"
         entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY, "--log-format", "json"]
+        entry += [part for flag, value in ENTRY_LIMITS.items() for part in (flag, value)]
         self.launch("entry", self.node_args(port, "entry") + entry)
 
     def start_nodes(self) -> None:
@@ -91,6 +99,48 @@ class Mesh:
     def restart(self, name: str) -> None:
         """Start `name` again: same port, same data folder, so the same node id."""
         self.launch(name, self.args[name])
+
+    def launch_pinned(self, name: str, layers: str) -> None:
+        """One more node, pinned to `layers` by hand, joining the tracker."""
+        port = free_port()
+        self.extra[name] = f"http://127.0.0.1:{port}"
+        self.launch(name, self.node_args(port, name) + ["--layers", layers])
+
+    def stop_extra(self, names: list[str]) -> None:
+        """Stop nodes started by `launch_pinned` for good (`revive` leaves them alone)."""
+        for name in names:
+            stop(self.procs.pop(name))
+            del self.args[name], self.extra[name]
+
+    def loaded(self, names: list[str]) -> bool:
+        """Every process in `names` registered with its span loaded."""
+        nodes = self.coverage()["nodes"]
+        up = {n["address"] for n in nodes if n["loaded"] and not n["loading"]}
+        return {self.extra[name] for name in names} <= up
+
+    def holders(self, span: LayerSpan) -> list[str]:
+        """The plain nodes (`a`..`d`) that serve exactly `span`."""
+        by_address = {a: n for n, a in self.addresses.items()}
+        want = {"start": span.start, "end": span.end}
+        return [
+            by_address[n["address"]]
+            for n in self.coverage()["nodes"]
+            if n["address"] in by_address
+            and self.procs[by_address[n["address"]]].poll() is None
+            and any(s["span"] == want for s in n["loaded"])
+        ]
+
+    def last_entry_session(self) -> str:
+        """The session id of the `node --entry` process's newest generation (its JSON log)."""
+        lines = (self.folder / "entry.log").read_text().splitlines()
+        opened = [json.loads(x) for x in lines if x.startswith("{") and "prompt tokens" in x]
+        return str(opened[-1]["session"])
+
+    def revive(self) -> None:
+        """Restart every process of the mesh that has exited (killed or stopped by a test)."""
+        for name, process in list(self.procs.items()):
+            if process.poll() is not None and name in self.args:
+                self.restart(name)
 
     def stop_all(self) -> None:
         for process in self.procs.values():

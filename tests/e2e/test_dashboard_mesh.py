@@ -21,6 +21,8 @@ from selenium.webdriver import Chrome
 from tests.e2e.browser import chromium
 from tests.e2e.mesh import API_KEY, Mesh
 from tests.e2e.procs import wait_for
+from tests.e2e.streams import chat as chat_body
+from tests.e2e.streams import stream
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_S = 1.0  # the shared mesh's --heartbeat-interval
@@ -66,7 +68,21 @@ def test_metrics_of_the_tracker_and_a_node_after_a_request(mesh: Mesh) -> None:
         + metric(mesh.addresses[holders(mesh, 10)[-1]], "meshnet_forward_seconds_count")
         > 0
     )
-    assert metric(node, "meshnet_sessions_active") >= 0
+    assert metric(node, "meshnet_sessions_active") == 0  # the finished request's is closed
+
+
+def test_a_node_counts_the_session_it_serves_while_an_answer_streams(mesh: Mesh) -> None:
+    active: list[float] = []
+
+    def sample(n: int) -> None:
+        if n == 3:
+            busy = [a for name, a in mesh.addresses.items() if mesh.sessions(name) > 0]
+            active.extend(metric(a, "meshnet_sessions_active") for a in busy)
+
+    stream(mesh.url, chat_body("Explain how a bicycle works to a child."), sample)
+    assert active == [1.0, 1.0]  # one hop of 10:20 and one of 20:30, one session each
+    wait_for(lambda: all(mesh.sessions(n) == 0 for n in mesh.addresses), 10, "sessions closed")
+    assert sum(metric(a, "meshnet_sessions_active") for a in mesh.addresses.values()) == 0
 
 
 def test_an_entry_logging_json_names_the_session_on_its_lines(mesh: Mesh) -> None:

@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def node_url() -> Iterator[str]:
+def node_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
+    data_dir = tmp_path_factory.mktemp("node")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -44,6 +45,8 @@ def node_url() -> Iterator[str]:
             "fp32",
             "--port",
             str(port),
+            "--data-dir",
+            str(data_dir),
         ],
         env={**os.environ, "MESHNET_SWARM_KEY": KEY},
     )

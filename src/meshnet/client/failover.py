@@ -61,7 +61,14 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
 async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, reason: str) -> None:
     session.banned.add(hop.node_id)
     await pipeline.routes.report(hop.node_id, reason)
-    await pipeline.transport.close_session(hop, session.id)  # in case it is alive after all
+    # in case it is alive after all; in the background, so that a hung hop (which may take the
+    # close call's whole timeout) does not lengthen the pause
+    closing = asyncio.ensure_future(pipeline.transport.close_session(hop, session.id))
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Future[None]] = set()  # close calls in flight (a task needs a reference)
 
 
 async def _replay(
