@@ -86,6 +86,21 @@ def ms(values: list[float], q: float) -> str:
     return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.0f}"
 
 
+def table(result: ChaosResult) -> str:
+    """The result as a Markdown table (pauses and longest token gaps in ms)."""
+    p, g = result.pauses_s, result.gaps_s
+    median = f"{statistics.median(p) * 1000:.0f}" if p else "-"
+    gap = f"{statistics.median(g) * 1000:.0f}" if g else "-"
+    cells = [result.runs, result.lost, len(p), median, ms(p, 1), gap, ms(g, 1)]
+    return "\n".join(
+        [
+            "| runs | lost | failovers | pause p50 ms | pause max ms | gap p50 ms | gap max ms |",
+            "|---|---|---|---|---|---|---|",
+            "| " + " | ".join(map(str, cells)) + " |",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
@@ -100,14 +115,7 @@ def main() -> None:
         result = chaos(mesh, runs)
     finally:
         mesh.stop_all()
-    p, g = result.pauses_s, result.gaps_s
-    print("| runs | lost | failovers | pause p50 ms | pause max ms | gap p50 ms | gap max ms |")
-    print("|---|---|---|---|---|---|---|")
-    median = f"{statistics.median(p) * 1000:.0f}" if p else "-"
-    gap = f"{statistics.median(g) * 1000:.0f}" if g else "-"
-    cells = [result.runs, result.lost, len(p), median, ms(p, 1), gap, ms(g, 1)]
-    print("| " + " | ".join(map(str, cells)) + " |")
-
+    print(table(result))
 
 if __name__ == "__main__":
     main()

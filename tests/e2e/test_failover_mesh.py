@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from benchmarks.chaos import PROMPTS, chaos
+from benchmarks.chaos import PROMPTS, chaos, table
 
 from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, ModelId, SessionId
@@ -31,7 +31,9 @@ CHAOS_RUNS = int(os.environ.get("MESHNET_CHAOS_RUNS", "8"))  # benchmarks/chaos.
 
 def test_chaos_every_generation_survives_a_killed_hop(mesh: Mesh) -> None:
     result = chaos(mesh, CHAOS_RUNS)
-    print(f"\nchaos: {result}")
+    rows = table(result).splitlines()
+    print("\n" + "\n".join(rows))
+    assert rows[-1].startswith(f"| {CHAOS_RUNS} | 0 | ")
     assert result.unkilled == 0 and result.lost == 0
     assert len(result.pauses_s) >= CHAOS_RUNS
     assert max(result.pauses_s) < 2.0  # docs/reliability.md: median 185 ms
