@@ -119,3 +119,13 @@ def test_a_hop_at_its_session_limit_is_a_429_for_the_client() -> None:
     assert response.status_code == 429 and response.headers["Retry-After"] == "1"
     assert "64 sessions" in response.json()["error"]["message"]
     assert no_leftovers(app)
+
+
+def test_a_chat_naming_no_length_gets_the_default_capped_at_the_limit() -> None:
+    """The default `max_tokens` (8 here) above the limit (3) must not turn a plain request
+    into a 400: the server gives the most it allows."""
+    app = make(ApiLimits(max_tokens=3))
+    answer = post(app, CHAT)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 3
+    assert no_leftovers(app)

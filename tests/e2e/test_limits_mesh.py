@@ -41,4 +41,10 @@ def test_limit_flags_reach_the_entry_process(
 
     fine = complete(mesh.entry, prompt="The capital of France is", max_tokens=100)
     assert fine.status_code == 200, fine.text
+    # a chat naming no max_tokens gets the default (256) capped at the limit, not a 400
+    question = {"model": "default", "messages": [{"role": "user", "content": "Hi!"}]}
+    url = f"{mesh.entry}/v1/chat/completions"
+    chat = httpx.post(url, json=question, headers=BEARER, timeout=120)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] <= 100
     assert all(mesh.sessions(name) == 0 for name in mesh.addresses)  # refusals left nothing

@@ -92,7 +92,9 @@ def api_router(
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         prompt = generator.codec.chat(messages)
         check_prompt(prompt, limits, "messages")
-        params = request.params(min(default_max_tokens, generator.max_context - len(prompt)))
+        # a request that names no length gets the default, never more than the limit allows
+        room = generator.max_context - len(prompt)
+        params = request.params(min(default_max_tokens, limits.max_tokens, room))
         check_max_tokens(params, limits, request.max_tokens_field())
         events = _limited(generator.stream(prompt, params), limiter, client)
         render = _chat_renderer(request.model)
