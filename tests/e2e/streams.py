@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import torch
 
 from tests.e2e.mesh import Mesh
 
@@ -60,6 +61,19 @@ def stream(
             out.meshnet = event.get("meshnet", out.meshnet)
     out.text = "".join(parts)
     return out
+
+
+def reference_text(model: Any, tokenizer: Any, ids: list[int], tokens: int) -> str:
+    """Monolithic transformers greedy `generate` (fp32): the text of `tokens` new tokens."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
 def chat(prompt: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import torch
 from meshnet.terminal import GenerateOptions, run_chat
 from tests.e2e.mesh import API_KEY, Mesh
 from tests.e2e.procs import wait_for
+from tests.e2e.streams import reference_text
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -34,15 +35,7 @@ def tokenizer(smollm_tokenizer: Any) -> Any:
 
 def reference(model: Any, tokenizer: Any, ids: list[int]) -> str:
     """Monolithic transformers greedy `generate` at fp32: the text of the new tokens."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    return reference_text(model, tokenizer, ids, NEW_TOKENS)
 
 
 def chat_ids(tokenizer: Any, question: str) -> list[int]:

@@ -23,7 +23,7 @@ from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, encode
 from tests.e2e.mesh import API_KEY, HOP_TIMEOUT_S, Mesh
 from tests.e2e.procs import get_json, wait_for
-from tests.e2e.streams import busy_spare, chat, stream
+from tests.e2e.streams import busy_spare, chat, reference_text, stream
 
 pytestmark = pytest.mark.slow
 CHAOS_RUNS = int(os.environ.get("MESHNET_CHAOS_RUNS", "8"))  # benchmarks/chaos.py: 20
@@ -38,18 +38,6 @@ def test_chaos_every_generation_survives_a_killed_hop(mesh: Mesh) -> None:
     assert len(result.pauses_s) >= CHAOS_RUNS
     assert max(result.pauses_s) < 2.0  # docs/reliability.md: median 185 ms
     assert max(result.gaps_s) < 3.0  # what the user waits, failover included
-
-
-def reference_text(model: Any, tokenizer: Any, ids: list[int], tokens: int) -> str:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
 def test_a_hop_killed_during_a_long_prefill_is_replayed_into_a_copy(
