@@ -117,5 +117,6 @@ def main() -> None:
         mesh.stop_all()
     print(table(result))
 
+
 if __name__ == "__main__":
     main()

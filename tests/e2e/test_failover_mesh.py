@@ -164,9 +164,7 @@ def test_a_draining_node_refuses_new_sessions_and_finishes_its_own(mesh: Mesh) -
             return
         victim = busy_spare(mesh)[0]
         node_id = next(
-            n["node_id"]
-            for n in mesh.coverage()["nodes"]
-            if n["address"] == mesh.addresses[victim]
+            n["node_id"] for n in mesh.coverage()["nodes"] if n["address"] == mesh.addresses[victim]
         )
         headers, body = new_session_frame(mesh, victim)
         sent = time.monotonic()

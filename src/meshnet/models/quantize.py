@@ -27,8 +27,6 @@ INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16
 NF4_BLOCK = 64  # weights per absmax scale
 
 
-
-
 @functools.cache
 def hardware_bf16_is_fast() -> bool:
     """CUDA, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
