@@ -117,8 +117,14 @@ class HopError(MeshError):
 
     @property
     def retryable(self) -> bool:
-        """A failure of the hop (gone, timed out, 5xx, its cache lost), not of our frame."""
-        return self.status is None or self.status >= 500 or self.status == 409
+        """Another copy of the hop's span may take the frame: the hop failed (gone, timed
+        out, 5xx, its cache lost) or is at a limit (429), rather than our frame being bad."""
+        return self.status is None or self.status >= 500 or self.status in (409, 429)
+
+    @property
+    def busy(self) -> bool:
+        """The hop is healthy but at one of its limits: try another copy, report nothing."""
+        return self.status == 429
 
 
 class UnavailableError(MeshError):

@@ -195,3 +195,38 @@ def test_a_real_http_hop_answering_nan_fails_as_retryable() -> None:
     error = run(scenario())
     assert error.retryable and error.hop is not None and error.hop.node_id == "bad"
     assert "NaN or Inf" in error.message
+
+
+class FullRunner(EchoRunner):
+    """A copy at its session limit: every new session gets 429, as `NodeService` answers."""
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        from meshnet.errors import LimitError
+
+        if meta.position == 0:
+            raise LimitError("this node holds 64 sessions, its limit", retry_after_s=1.0)
+        return super().forward(meta, hidden)
+
+
+def test_a_hop_at_its_limit_is_skipped_for_another_copy_without_reporting_it() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    runners["a"] = transport.runners["a"] = FullRunner(runners["a"].model, runners["a"].span)  # type: ignore[index]
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free()
+    assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == []  # busy is not failing
+
+
+def test_every_copy_at_its_limit_gives_the_client_429_at_once() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    for name in ("a", "a2"):
+        runners[name] = transport.runners[name] = FullRunner(
+            runners[name].model, runners[name].span
+        )  # type: ignore[index]
+    started = time.perf_counter()
+    with pytest.raises(HopError) as refused:
+        run(collect(generator, PROMPT, PARAMS))
+    assert refused.value.http_status == 429 and "limit" in refused.value.message
+    assert time.perf_counter() - started < 0.5  # no backoff rounds for a full mesh
+    assert all(r.session_count() == 0 for r in runners.values())

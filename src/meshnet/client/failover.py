@@ -6,6 +6,10 @@ without banned nodes, replays into that chain everything the failed hop had been
 inputs, kept by the session), and puts the chain in its place. The caller then re-sends the
 frame that failed. Attempts are bounded, with capped exponential backoff between them; when
 no replacement exists the last error ends the request (503 naming the missing layers).
+
+A hop at one of its limits (429: sessions, KV cache) is healthy: another copy takes the
+session the same way, but the tracker is not told, and when no copy is left the client gets
+the 429 (with its Retry-After) at once rather than a 503.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     """Replace `session.hops[k]`, which just failed with `error`; raises when nothing can."""
     started, failed = time.perf_counter(), session.hops[k]
     last: MeshError = error
-    await _ban(pipeline, session, failed, str(error))
+    await _ban(pipeline, session, failed, error)
     for attempt in range(pipeline.retry.max_attempts):
         try:
             chain = await pipeline.routes.route(
@@ -41,8 +45,10 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
         except HopError as exc:  # a replacement failed too: ban it as well, try again
             last = exc
             if exc.hop is not None:
-                await _ban(pipeline, session, exc.hop, str(exc))
+                await _ban(pipeline, session, exc.hop, exc)
         except RouteError as exc:
+            if isinstance(last, HopError) and last.busy:  # every copy is full: say so now
+                raise last from exc
             last = exc
         else:
             session.hops[k : k + 1] = chain
@@ -58,9 +64,11 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     raise last
 
 
-async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, reason: str) -> None:
+async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: HopError) -> None:
+    """Leave `hop` out of this session; tell the tracker unless it was only busy (429)."""
     session.banned.add(hop.node_id)
-    await pipeline.routes.report(hop.node_id, reason)
+    if not error.busy:
+        await pipeline.routes.report(hop.node_id, str(error))
     # in case it is alive after all; in the background, so that a hung hop (which may take the
     # close call's whole timeout) does not lengthen the pause
     closing = asyncio.ensure_future(pipeline.transport.close_session(hop, session.id))
