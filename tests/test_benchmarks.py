@@ -71,3 +71,12 @@ def test_decode_benchmark_prints_both_paths() -> None:
     out = run_tiny("decode.py", 400)
     rows = [line for line in out.splitlines() if line.startswith("| meshnet 1 node")]
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_concurrency_benchmark_prints_a_row_per_level() -> None:
+    rows = [
+        line for line in run_tiny("concurrency.py", 400).splitlines() if "| 3hop fp32 |" in line
+    ]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
+    assert all(float(row.split("|")[3]) > 0 for row in rows)  # aggregate tokens/s

@@ -47,6 +47,7 @@ class NodeConfig:
     max_sessions: int = 64  # sessions in flight on this node; a new one over it gets 429
     fast_path: bool = True  # the architecture's fast decode path where it applies (ADR-0021)
     compile: bool = True  # compile the fast path's decode step where allowed (ADR-0023)
+    host_turns: bool = True  # on a CPU, take compute turns with co-located nodes (ADR-0026)
     tracker_url: str | None = None  # join this tracker and serve what it assigns
     public_address: str | None = None  # the address peers use, when not http://host:port
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default

@@ -109,6 +109,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="run transformers' own layers instead of the fast decode path (for debugging)",
     )
     parser.add_argument(
+        "--no-host-turns",
+        dest="host_turns",
+        action="store_false",
+        help="compute at once with other meshnet processes on this machine (default: take "
+        "turns, each with every core; ADR-0026)",
+    )
+    parser.add_argument(
         "--no-compile",
         dest="compile",
         action="store_false",
@@ -151,6 +158,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "session_ttl_s": args.session_ttl,
         "fast_path": args.fast_path,
         "compile": args.compile,
+        "host_turns": args.host_turns,
     }
 
 

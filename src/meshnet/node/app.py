@@ -31,7 +31,7 @@ from meshnet.errors import (
     WireError,
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
-from meshnet.node.compute import compute_executor
+from meshnet.node.compute import HostTurns, compute_executor
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
@@ -78,6 +78,7 @@ class NodeService:
         wire: WireConfig,
         max_sessions: int = 64,
         metrics: Metrics | None = None,
+        turns: HostTurns | None = None,
     ) -> None:
         self.runners: dict[tuple[str, LayerSpan], ShardRunner] = {}
         for runner in runners:
@@ -86,6 +87,7 @@ class NodeService:
         self.wire = wire
         self.lock = asyncio.Lock()
         self.worker = compute_executor()
+        self.turns = turns or HostTurns()  # compute turns shared with co-located processes
         self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
         self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
         self.max_sessions = max_sessions  # sessions of all shards together
@@ -120,7 +122,7 @@ class NodeService:
         async with self.lock:
             context = contextvars.copy_context()  # the worker's log lines name our session
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.worker, context.run, fn, *args)
+            return await loop.run_in_executor(self.worker, context.run, self.turns.run, fn, *args)
 
     async def forward(self, request: Request) -> Response:
         started = time.perf_counter()

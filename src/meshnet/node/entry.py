@@ -47,7 +47,7 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent
 from meshnet.node.app import NodeService, add_metrics_route, add_node_routes
 from meshnet.node.app import access_rules as node_rules
-from meshnet.node.compute import pin_loop_thread
+from meshnet.node.compute import host_turns, pin_loop_thread
 from meshnet.node.serve import load_runner, registration, run_server, tracker_client
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.observe.metrics import Metrics
@@ -189,7 +189,12 @@ def entry_service(
 ) -> NodeService:
     """The node side of an entry: its own span behind `/forward`, answering probes as itself."""
     service = NodeService(
-        [model.runner], WireLimits(), WireConfig(), config.max_sessions, metrics=metrics
+        [model.runner],
+        WireLimits(),
+        WireConfig(),
+        config.max_sessions,
+        metrics=metrics,
+        turns=host_turns(config.host_turns),
     )
     service.node_id = request.node_id
     service.swarm_key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None

@@ -23,7 +23,7 @@ from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
 from meshnet.node.agent import NodeAgent, node_id
 from meshnet.node.app import NodeService, create_app
-from meshnet.node.compute import pin_loop_thread
+from meshnet.node.compute import host_turns, pin_loop_thread
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.security.signing import Signer
 from meshnet.tracker import messages as msg
@@ -98,7 +98,11 @@ def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> h
 def build_app(config: NodeConfig, access: AccessConfig) -> Starlette:
     pinned = pinned_runner(config)
     service = NodeService(
-        [pinned] if pinned else [], WireLimits(), WireConfig(), config.max_sessions
+        [pinned] if pinned else [],
+        WireLimits(),
+        WireConfig(),
+        config.max_sessions,
+        turns=host_turns(config.host_turns),
     )
     request = registration(config)
     service.node_id = request.node_id

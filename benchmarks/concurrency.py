@@ -1,0 +1,180 @@
+"""Many users at once: aggregate and per-request speed at 1, 2, 4, 8 concurrent requests.
+
+    python benchmarks/concurrency.py                      # 3-hop mesh and 1 node; fp32, bf16, int8
+    python benchmarks/concurrency.py --tiny               # 3-hop fp32, 1 and 2 at once, 8 tokens
+    python benchmarks/concurrency.py --setups 3hop --quants bf16 --extra=--no-host-turns
+
+Setups, each its own processes on loopback: `3hop` is a tracker-as-entry-node (0:10) and two
+nodes (10:20, 20:30); `1node` is a tracker-as-entry-node holding all 30 layers. Each level
+sends N greedy chat requests at once (different prompts, 48 tokens each, streamed) and
+measures: aggregate tokens/s (all tokens / wall time), per-request tokens/s (median), time to
+first token p50 and p95; each as a ratio to one request alone. Medians of `--repeats` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from meshnet.models.quantize import local_layer_bytes
+from meshnet.models.source import resolve
+
+TOPICS = ["a robot", "the sea", "a forest", "a city", "a bicycle", "the moon", "a river", "tea"]
+TOPICS += ["a clock", "a violin", "snow", "a garden", "a lighthouse", "bread", "a train", "a cat"]
+SPANS = {"3hop": ["0:10", "10:20", "20:30"], "1node": ["0:30"]}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def mesh(setup: str, quant: str, extra: list[str], logs: Path) -> Iterator[str]:
+    """The processes of `setup` at `quant`; yields the API's URL once the model is routable."""
+    spans, port = SPANS[setup], free_port()
+    url = f"http://127.0.0.1:{port}"
+    per_layer = local_layer_bytes(resolve("default").spec, quant)  # type: ignore[arg-type]
+    commands = [["tracker", "--port", str(port), "--layers", spans[0]]]
+    for _ in spans[1:]:  # the tracker's planner gives each node the next ten layers
+        budget = math.floor(10.5 * per_layer / 0.9)  # ten layers and the 10% KV reserve
+        commands.append(["node", "--tracker", url, "--port", str(free_port())])
+        commands[-1] += ["--budget", str(budget)]
+    env = {**os.environ, "MESHNET_SWARM_KEY": secrets.token_hex(32)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", *c, "--quant", quant, *extra]
+            + ["--data-dir", str(logs / f"{setup}-{quant}-{i}")],
+            stdout=(logs / f"{setup}-{quant}-{i}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for i, c in enumerate(commands)
+    ]
+    try:
+        deadline = time.monotonic() + 600
+        while not routable(url):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{setup} {quant} never became routable (logs in {logs})")
+            time.sleep(0.5)
+        yield url
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def routable(url: str) -> bool:
+    try:
+        return bool(httpx.get(f"{url}/v1/coverage", timeout=2).json()["models"][0]["routable"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return False
+
+
+def one_request(url: str, topic: str, tokens: int) -> tuple[float, float, int]:
+    """(time to first token s, total s, tokens) of one streamed greedy chat answer."""
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+        "temperature": 0,
+        "max_tokens": tokens,
+        "stream": True,
+    }
+    started, first, count = time.perf_counter(), 0.0, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if any(c["delta"].get("content") for c in event["choices"]):
+                    count += 1
+                    first = first or time.perf_counter() - started
+    return first, time.perf_counter() - started, count
+
+
+def level(url: str, n: int, tokens: int) -> dict[str, float]:
+    """N requests at once: aggregate tok/s, median per-request tok/s, TTFT p50/p95 (s)."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = list(pool.map(lambda t: one_request(url, t, tokens), TOPICS[:n]))
+    wall = time.perf_counter() - started
+    ttfts = sorted(r[0] for r in results)
+    return {
+        "aggregate": sum(r[2] for r in results) / wall,
+        "per_request": statistics.median(r[2] / r[1] for r in results),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[min(len(ttfts) - 1, math.ceil(0.95 * len(ttfts)) - 1)],
+    }
+
+
+def measure(url: str, levels: list[int], tokens: int, repeats: int) -> dict[int, dict[str, float]]:
+    one_request(url, "warming up", 4)
+    out = {}
+    for n in levels:
+        rounds = [level(url, n, tokens) for _ in range(repeats)]
+        out[n] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    return out
+
+
+def table(rows: dict[str, dict[int, dict[str, float]]]) -> str:
+    lines = [
+        "| setup | at once | aggregate tok/s | x one | per request tok/s | TTFT p50 s "
+        "| TTFT p95 s | p95 x one |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_level in rows.items():
+        alone = by_level[min(by_level)]
+        for n, r in by_level.items():
+            lines.append(
+                f"| {name} | {n} | {r['aggregate']:.1f} "
+                f"| {r['aggregate'] / alone['aggregate']:.2f} "
+                f"| {r['per_request']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} "
+                f"| {r['ttft_p95'] / alone['ttft_p95']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="3hop fp32, 1 and 2 at once")
+    parser.add_argument("--setups", nargs="+", default=["3hop", "1node"], choices=list(SPANS))
+    parser.add_argument("--quants", nargs="+", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--extra", action="append", default=[], help="flags for every process")
+    args = parser.parse_args()
+    setups, quants, levels, tokens = args.setups, args.quants, args.levels, args.tokens
+    if args.tiny:
+        setups, quants, levels, tokens = ["3hop"], ["fp32"], [1, 2], 8
+    rows: dict[str, dict[int, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="meshnet-concurrency-") as logs:
+        for setup in setups:
+            for quant in quants:
+                with mesh(setup, quant, args.extra, Path(logs)) as url:
+                    rows[f"{setup} {quant}"] = measure(url, levels, tokens, args.repeats)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
