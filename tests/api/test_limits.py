@@ -23,6 +23,7 @@ def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig())
     limiter = ClientLimiter(limits)
     app = create_app({"fake": generator}, 8, limits=limits, access=access, limiter=limiter)
     app.state.runners, app.state.limiter = runners, limiter
+    app.state.service = generator.pipeline.executor  # the entry's NodeService
     return app
 
 
@@ -129,3 +130,17 @@ def test_a_chat_naming_no_length_gets_the_default_capped_at_the_limit() -> None:
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 3
     assert no_leftovers(app)
+
+
+def test_the_entry_span_counts_against_the_session_limit() -> None:
+    """A new generation on an entry already at `max_sessions` is a 429 naming the limit,
+    before any hop sees it; below the limit the same request works."""
+    app = make()
+    service = app.state.service
+    service.max_sessions = 0
+    refused = post(app, CHAT)
+    assert refused.status_code == 429 and "limit" in refused.json()["error"]["message"]
+    assert refused.headers["Retry-After"] == "1"
+    assert no_leftovers(app)
+    service.max_sessions = 64
+    assert post(app, CHAT).status_code == 200

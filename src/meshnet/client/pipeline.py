@@ -39,6 +39,10 @@ class Executor(Protocol):
         """Run `fn(*args)` alone, on the process's compute thread."""
         ...
 
+    def admit_session(self) -> None:
+        """Raise when this process takes no new session (draining, or at `max_sessions`)."""
+        ...
+
 
 class HeadLike(Protocol):
     def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
@@ -102,7 +106,9 @@ class Pipeline:
         self.metrics = metrics or Metrics()
 
     async def open(self) -> PipelineSession:
-        """A new session with a route for the layers after the entry's span."""
+        """A new session with a route for the layers after the entry's span; the entry's own
+        span counts against its process's session limit like any hop's."""
+        self.executor.admit_session()
         start = self.local.span.end
         hops = await self.routes.route(self.model, start) if start < self.num_layers else []
         return PipelineSession(SessionId(f"s-{uuid.uuid4().hex}"), hops)

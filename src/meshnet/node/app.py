@@ -146,12 +146,12 @@ class NodeService:
                 f"this node serves {served}, not {meta.model} layers {meta.span}", field=h.LAYERS
             )
         if meta.position == 0:
-            self._admit_session()
+            self.admit_session()
         out = await self.call(runner.forward, meta, hidden)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
-    def _admit_session(self) -> None:
+    def admit_session(self) -> None:
         """A new session may start: not draining, and under `max_sessions`."""
         if self.draining:
             raise UnavailableError("this node is shutting down; it takes no new sessions")
