@@ -34,17 +34,13 @@ import httpx
 from meshnet.models.quantize import local_layer_bytes
 from meshnet.models.source import resolve
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.e2e.procs import free_port  # noqa: E402
+
 TOPICS = ["a robot", "the sea", "a forest", "a city", "a bicycle", "the moon", "a river", "tea"]
 TOPICS += ["a clock", "a violin", "snow", "a garden", "a lighthouse", "bread", "a train", "a cat"]
 SPANS = {"3hop": ["0:10", "10:20", "20:30"], "1node": ["0:30"]}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

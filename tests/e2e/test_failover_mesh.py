@@ -156,7 +156,7 @@ def new_session_frame(mesh: Mesh, name: str) -> tuple[dict[str, str], bytes]:
 def test_a_draining_node_refuses_new_sessions_and_finishes_its_own(mesh: Mesh) -> None:
     """SIGTERM a hop mid-answer: it answers new sessions 503 at once and leaves the tracker,
     but the session in flight keeps it until the answer ends (no failover), then it exits."""
-    expected = stream(mesh.url, chat(PROMPTS[0]), headers=None).text
+    expected = stream(mesh.url, chat(PROMPTS[0])).text
     seen: dict[str, Any] = {}
 
     def terminate(n: int) -> None:
