@@ -49,7 +49,8 @@ def mesh(setup: str, quant: str, extra: list[str], logs: Path) -> Iterator[str]:
     spans, port = SPANS[setup], free_port()
     url = f"http://127.0.0.1:{port}"
     per_layer = local_layer_bytes(resolve("default").spec, quant)  # type: ignore[arg-type]
-    commands = [["tracker", "--port", str(port), "--layers", spans[0]]]
+    # one benchmark client sends every request: allow it the highest level at once
+    commands = [["tracker", "--port", str(port), "--layers", spans[0], "--max-concurrent", "64"]]
     for _ in spans[1:]:  # the tracker's planner gives each node the next ten layers
         budget = math.floor(10.5 * per_layer / 0.9)  # ten layers and the 10% KV reserve
         commands.append(["node", "--tracker", url, "--port", str(free_port())])

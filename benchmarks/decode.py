@@ -111,7 +111,7 @@ def node_row(quant: str, fast: bool, short: list[int], long: list[int], n: int, 
     config = NodeConfig(quant=quant, fast_path=fast)
     model = load_entry_model(config, LayerSpan(0, resolve("default").spec.num_layers))
     service = NodeService([model.runner], WireLimits(), WireConfig())
-    service.worker = COMPUTE
+    service.scheduler.worker = COMPUTE
     generator = make_generator(
         model, service, StaticRoutes([]), HttpTransport(), EntryConfig(), "bench"
     )

@@ -48,6 +48,10 @@ class NodeConfig:
     fast_path: bool = True  # the architecture's fast decode path where it applies (ADR-0021)
     compile: bool = True  # compile the fast path's decode step where allowed (ADR-0023)
     host_turns: bool = True  # on a CPU, take compute turns with co-located nodes (ADR-0026)
+    max_batch: int = 32  # decode steps of different sessions run as one pass, up to this many
+    # a decode round waits this long at most for the sessions of the last one: they arrive
+    # one HTTP request after another (ADR-0027)
+    batch_wait_s: float = 0.01
     tracker_url: str | None = None  # join this tracker and serve what it assigns
     public_address: str | None = None  # the address peers use, when not http://host:port
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
@@ -79,6 +83,9 @@ class EntryConfig:
     default_max_tokens: int = 256  # chat requests that give no max_tokens
     seed: int | None = None  # seeds requests that give none; None = from the OS
     retry: RetryPolicy = RetryPolicy()
+    # the entry's own decode round waits this long at most for sessions of the last one that
+    # are still on their way through the hops: sessions out of step join one batch (ADR-0027)
+    step_wait_s: float = 0.1
 
 
 @dataclass(frozen=True)

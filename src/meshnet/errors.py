@@ -127,6 +127,13 @@ class HopError(MeshError):
         return self.status == 429
 
 
+class ComputeError(MeshError):
+    """Finite activations gave NaN or Inf in this span: the session's cache is rolled back.
+    Another copy of the span would compute the same, so it is not retried (422)."""
+
+    http_status = 422
+
+
 class UnavailableError(MeshError):
     """The node is shutting down and takes no new sessions."""
 

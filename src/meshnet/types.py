@@ -32,6 +32,7 @@ def parse_compute(text: str, what: str = "compute dtype") -> ComputeDtype:
             return dtype
     raise ValueError(f"{what} must be one of {', '.join(COMPUTE_DTYPES)}, got {text!r}")
 
+
 # Session and node ids travel in headers and URLs: keep them to a safe, bounded alphabet.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -16,7 +16,8 @@ from meshnet.client.sampling import SamplingParams
 from meshnet.client.transport import Hop, HttpTransport
 from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.node.app import create_app as create_node_app
-from meshnet.node.runner import EchoRunner
+from meshnet.node.runner import EchoRunner, Frame, one_by_one
+from meshnet.node.scheduler import Failed
 from meshnet.types import LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
 from tests.client.fakes import fake_mesh
@@ -148,6 +149,9 @@ class Poisoned:
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         out = self.runner.forward(meta, hidden)  # type: ignore[attr-defined]
         return out if meta.position < self.position else out.fill_(self.value)
+
+    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+        return one_by_one(self.forward, frames)
 
     def drop(self, session: str) -> bool:
         return bool(self.runner.drop(session))  # type: ignore[attr-defined]

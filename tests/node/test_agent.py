@@ -58,7 +58,7 @@ def test_agent_loads_what_it_is_told_and_reports_it() -> None:
         registry, client = tracker()
         node = agent(client, "a", 100)
         await settle(node)
-        assert sorted(node.service.runners) == [("m", LayerSpan(0, 8))]
+        assert sorted(node.service.shards) == [("m", LayerSpan(0, 8))]
         assert registry.nodes["a"].loaded == {(ModelId("m"), LayerSpan(0, 8))}
         registry.nodes.clear()  # the tracker restarts and forgets everyone
         await settle(node, beats=1)
@@ -76,8 +76,8 @@ def test_failed_load_is_reported_and_replanned_elsewhere() -> None:
         assert registry.nodes["a"].failed == {(ModelId("m"), LayerSpan(0, 8))}
         healthy = agent(client, "b", 100)
         await settle(healthy, broken)
-        assert sorted(healthy.service.runners) == [("m", LayerSpan(0, 8))]
-        assert not broken.service.runners
+        assert sorted(healthy.service.shards) == [("m", LayerSpan(0, 8))]
+        assert not broken.service.shards
         await client.aclose()
 
     run(scenario())

@@ -105,8 +105,7 @@ def test_a_signed_call_sent_twice_to_the_same_app_gets_in_once() -> None:
         transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 1234))
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             return [
-                await client.post("/member", headers=headers, content=b"payload")
-                for _ in range(2)
+                await client.post("/member", headers=headers, content=b"payload") for _ in range(2)
             ]
 
     calls.clear()

@@ -12,8 +12,17 @@ from meshnet.tracker.routing import Server, choose_route
 from meshnet.types import LayerSpan, ModelId, NodeId
 
 
-def server(name: str, start: int, end: int, throughput: float = 1.0, sessions: int = 0) -> Server:
-    return Server(NodeId(name), f"http://{name}", LayerSpan(start, end), throughput, sessions)
+def server(
+    name: str,
+    start: int,
+    end: int,
+    throughput: float = 1.0,
+    sessions: int = 0,
+    queue: int = 0,
+    step_s: float = 0.0,
+) -> Server:
+    span = LayerSpan(start, end)
+    return Server(NodeId(name), f"http://{name}", span, throughput, sessions, queue, step_s)
 
 
 def names(route: list[Server]) -> list[str]:
@@ -31,6 +40,24 @@ def names(route: list[Server]) -> list[str]:
         ([server("a", 0, 30, sessions=5), server("b", 0, 30, sessions=0)], 0, ["b"]),
         ([server("a", 0, 30, throughput=1.0), server("b", 0, 30, throughput=3.0)], 0, ["b"]),
         ([server("a", 0, 10), server("b", 10, 20), server("c", 20, 30)], 10, ["b", "c"]),
+        # live load from heartbeats: a queue at the compute thread counts like sessions
+        ([server("a", 0, 30, queue=4), server("b", 0, 30, sessions=2)], 0, ["b"]),
+        # a measured step time replaces the start-up estimate: 2 sessions of 10 ms beat 1 of 40
+        (
+            [
+                server("a", 0, 30, sessions=1, step_s=0.04),
+                server("b", 0, 30, sessions=2, step_s=0.01),
+            ],
+            0,
+            ["b"],
+        ),
+        # the same chain length: the loaded middle hop is avoided
+        (
+            [server("a", 0, 15, step_s=0.01, sessions=6), server("b", 0, 15, step_s=0.01)]
+            + [server("c", 15, 30, step_s=0.01)],
+            0,
+            ["b", "c"],
+        ),
     ],
 )
 def test_route_choice(servers: list[Server], start: int, expected: list[str]) -> None:
@@ -57,3 +84,15 @@ def test_covered_but_misaligned_spans_say_so() -> None:
         choose_route(
             ModelId("m"), 30, [server("a", 0, 10), server("b", 5, 30)], 0, random.Random(0)
         )
+
+
+def test_sessions_spread_over_replicas_as_their_load_is_reported() -> None:
+    """Each route adds a session to the chosen copy (as its next heartbeat would report):
+    three copies of one span, one twice as slow per round, end up holding load in
+    proportion: the slow copy gets about half the sessions of each fast one."""
+    steps = {"fast1": 0.01, "fast2": 0.01, "slow": 0.02}
+    held = Counter({name: 0 for name in steps})
+    for _ in range(50):
+        copies = [server(n, 0, 30, sessions=held[n], step_s=s) for n, s in steps.items()]
+        held[names(choose_route(ModelId("m"), 30, copies, 0, random.Random(0)))[0]] += 1
+    assert 19 <= held["fast1"] <= 21 and 19 <= held["fast2"] <= 21 and 9 <= held["slow"] <= 11

@@ -102,6 +102,25 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=entry.hop_timeout_s,
         help="an entry gives up on a hop after this many seconds and fails over (a hung node)",
     )
+    group.add_argument(
+        "--max-batch",
+        type=int,
+        default=default.max_batch,
+        help="decode steps of different sessions run as one pass, up to this many",
+    )
+    group.add_argument(
+        "--batch-wait",
+        type=float,
+        default=default.batch_wait_s,
+        help="seconds a decode round waits at most for the sessions of the last one",
+    )
+    group.add_argument(
+        "--step-wait",
+        type=float,
+        default=entry.step_wait_s,
+        help="seconds an entry's own decode round waits at most for sessions still on their "
+        "way through the hops, so that sessions out of step join one batch",
+    )
     parser.add_argument(
         "--no-fast-path",
         dest="fast_path",
@@ -159,11 +178,13 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "fast_path": args.fast_path,
         "compile": args.compile,
         "host_turns": args.host_turns,
+        "max_batch": args.max_batch,
+        "batch_wait_s": args.batch_wait,
     }
 
 
 def entry_config(args: argparse.Namespace) -> EntryConfig:
-    return EntryConfig(hop_timeout_s=args.hop_timeout)
+    return EntryConfig(hop_timeout_s=args.hop_timeout, step_wait_s=args.step_wait)
 
 
 def tracker_config(args: argparse.Namespace) -> TrackerConfig:

@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from meshnet.client.codec import TextCodec
@@ -125,13 +126,11 @@ class Generator:
     async def _generate(
         self, session: PipelineSession, prompt: list[int], params: GenerationParams, started: float
     ) -> AsyncGenerator[Event]:
-        logits = await self.pipeline.feed(session, prompt)
         state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
+        pick = partial(sample, params=params.sampling, generator=state.generator)
+        token = await self.pipeline.feed(session, prompt, pick)  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
         while True:
-            token = await self.pipeline.executor.call(
-                sample, logits, params.sampling, state.generator
-            )
             state.first_s = state.first_s or time.perf_counter() - started
             delta = state.accept(token, self.codec, params)
             tokens.inc(token not in self.codec.eos_token_ids)
@@ -139,7 +138,7 @@ class Generator:
                 yield Delta(delta)
             if state.reason is not None:
                 break
-            logits = await self.pipeline.feed(session, [token])
+            token = await self.pipeline.feed(session, [token], pick)
         yield Finished(
             state.reason,
             len(prompt),

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,19 +24,41 @@ from meshnet.client.transport import Hop, Transport
 from meshnet.config import RetryPolicy, WireConfig
 from meshnet.errors import HopError
 from meshnet.node.runner import ShardRunner
+from meshnet.node.scheduler import BatchFn, Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.types import ModelId, NodeId, SessionId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Pick = Callable[[torch.Tensor], T]  # logits [V] -> what a request makes of them (a token)
+# (session, token ids, pick: only when the entry's span is the last one)
+LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None"]
 
 
 class Executor(Protocol):
-    """Runs model work one call at a time (the node's `NodeService` is one)."""
+    """Runs model work on the process's compute thread (the node's `NodeService` is one)."""
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` alone, on the process's compute thread."""
+    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
+        """Run `fn(*args)` on the compute thread; calls of one `group` share a hand-off."""
+        ...
+
+    async def submit(
+        self,
+        key: Hashable | None,
+        run: BatchFn,
+        item: Any,
+        tokens: int = 1,
+        member: Hashable = None,
+        wait_s: float = 0.0,
+    ) -> Any:
+        """Run `item` with the other items queued under `key`, as `run(items)`; `member`
+        (a session) will send the next step of `key` too, and the round waits up to
+        `wait_s` for the members of the last one."""
+        ...
+
+    def forget(self, session: SessionId) -> None:
+        """`session` has ended: no batch waits for it."""
         ...
 
     def admit_session(self) -> None:
@@ -50,7 +72,7 @@ class HeadLike(Protocol):
         ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [1, T, H] -> float32 logits [1, T, V]."""
+        """Hidden states [B, T, H] -> float32 logits [B, T, V]."""
         ...
 
 
@@ -89,6 +111,7 @@ class Pipeline:
         retry: RetryPolicy = RetryPolicy(),
         local_chunk_tokens: int = 2048,
         metrics: Metrics | None = None,
+        step_wait_s: float = 0.1,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -102,6 +125,7 @@ class Pipeline:
         self.wire = wire
         self.local_chunk_tokens = local_chunk_tokens
         self.retry = retry
+        self.step_wait_s = step_wait_s  # see `EntryConfig.step_wait_s`
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
         self.metrics = metrics or Metrics()
 
@@ -113,31 +137,65 @@ class Pipeline:
         hops = await self.routes.route(self.model, start) if start < self.num_layers else []
         return PipelineSession(SessionId(f"s-{uuid.uuid4().hex}"), hops)
 
-    async def feed(self, session: PipelineSession, ids: list[int]) -> torch.Tensor:
-        """Run `ids` after the session's tokens; float32 logits [V] for the next token.
+    async def feed(self, session: PipelineSession, ids: list[int], pick: Pick[T]) -> T:
+        """Run `ids` after the session's tokens; `pick` (a sampler) of the float32 logits [V]
+        for the next token, run on the compute thread with them.
 
-        The entry's own work is one compute-thread call (embeddings and its span, plus the
-        logits when there is no remote hop): each hand-off costs ~0.2 ms a token.
+        The entry's own work is one compute-thread job (embeddings and its span, plus the
+        logits and `pick` when there is no remote hop); decode steps of all sessions in flight
+        join one batch there, and so do their logits after the last hop. One job a token per
+        session keeps the sessions in step, so each round batches them all.
         """
-        tokens = torch.tensor([ids], dtype=torch.long)
         last = not session.hops
-        out = await self.executor.call(self._run_local, session, tokens, last)
+        key = ("local", id(self)) if len(ids) == 1 else None
+        item = (session, ids, pick if last else None)
+        out = await self.executor.submit(
+            key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
+        )
         if not last:
             for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
                 out = await self._remote(session, chunk)
-            out = await self.executor.call(self._logits, out)
+            out = await self.executor.submit(
+                ("logits", id(self)), self._logits_many, (out, pick), 1, session.id, 0.01
+            )
         session.position += len(ids)
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
-        return out
+        return out  # type: ignore[no-any-return]
+
+    def _run_local_many(self, items: list[LocalStep]) -> list[Any]:
+        """Compute thread: `_run_local` for each item, decode steps of many sessions batched:
+        one pass of the entry's span over their tokens, one head product for their logits."""
+        if len(items) == 1:
+            session, ids, pick = items[0]
+            return [self._run_local(session, torch.tensor([ids]), pick)]
+        frames = [
+            (
+                FrameMeta(session.id, self.model, self.local.span, session.position, 0, 1),
+                self.head.embed_tokens(torch.tensor([ids]), session.position),  # [1, 1, H]
+            )
+            for session, ids, _ in items
+        ]
+        outs: list[Any] = self.local.forward_many(frames)
+        wanted = [
+            i
+            for i, (out, (_, _, pick)) in enumerate(zip(outs, items, strict=True))
+            if pick is not None and not isinstance(out, Failed)
+        ]
+        if wanted:
+            picked = self._logits_many([(outs[i], items[i][2]) for i in wanted])  # type: ignore[misc]
+            for i, result in zip(wanted, picked, strict=True):
+                outs[i] = result
+        return outs
 
     def _run_local(
-        self, session: PipelineSession, tokens: torch.Tensor, logits: bool
-    ) -> torch.Tensor:
-        """Compute thread: embeddings and the entry's own span -> hidden [1, T, H], or the
-        logits [V] of the last token. The span runs in pieces of `local_chunk_tokens`: no
-        wire, so no 128-token limit; chunks of 128 cost ~1.3x one pass on a CPU (masked
-        attention, small GEMMs), and the bound keeps a long prompt's attention memory in check.
+        self, session: PipelineSession, tokens: torch.Tensor, pick: Pick[Any] | None
+    ) -> Any:
+        """Compute thread: embeddings and the entry's own span -> hidden [1, T, H], or, with
+        `pick`, what it makes of the last token's logits [V]. The span runs in pieces of
+        `local_chunk_tokens`: no wire, so no 128-token limit; chunks of 128 cost ~1.3x one
+        pass on a CPU (masked attention, small GEMMs), and the bound keeps a long prompt's
+        attention memory in check.
         """
         hidden = self.head.embed_tokens(tokens, session.position)
         outputs = []
@@ -147,11 +205,20 @@ class Pipeline:
             )
             outputs.append(self.local.forward(meta, piece.hidden))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        return self._logits(out) if logits else out
+        return out if pick is None else pick(self.head.logits(out[:, -1:])[0, -1])
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Compute thread: hidden [1, T, H] -> float32 logits [V] of the last token."""
-        return self.head.logits(hidden[:, -1:])[0, -1]
+    def _logits_many(self, items: list[tuple[torch.Tensor, Pick[Any]]]) -> list[Any]:
+        """Compute thread: for each (hidden [1, T, H], pick), `pick` of the float32 logits [V]
+        of its last token; one head product for all of them, each pick failing alone."""
+        last = torch.cat([hidden[:, -1:] for hidden, _ in items])  # [B, 1, H]
+        logits = self.head.logits(last)[:, -1]  # [B, V]
+        results: list[Any] = []
+        for row, (_, pick) in zip(logits, items, strict=True):
+            try:
+                results.append(pick(row))
+            except Exception as exc:  # one request's sampler: its failure is that request's
+                results.append(Failed(exc))
+        return results
 
     async def _remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
         """One chunk through every remote hop in order; the last hop's output.
@@ -177,5 +244,6 @@ class Pipeline:
 
     async def close(self, session: PipelineSession) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised)."""
+        self.executor.forget(session.id)
         await self.executor.call(self.local.drop, session.id)
         await asyncio.gather(*(self.transport.close_session(h, session.id) for h in session.hops))

@@ -152,6 +152,68 @@ class FastSpan:
         kv.length = position + tokens
         return hidden
 
+    def forward_rows(
+        self, hidden: torch.Tensor, caches: list[SpanCache], positions: list[int]
+    ) -> torch.Tensor:
+        """One decode step of B sessions at once: `hidden` [B, 1, H] (compute dtype), row b
+        at `positions[b]` of `caches[b]` -> [B, 1, H]; appends one token to every cache.
+
+        The products run over all rows together (one weight read for B tokens); rotary
+        gathers each row's angles; keys, values and attention stay per session, over each
+        session's own cache (no padding, no copy)."""
+        kvs = [self._static(cache, hidden.dtype, 1) for cache in caches]
+        assert self.rope is not None  # made by `_static`
+        ends = [p + 1 for p in positions]
+        self.rope.rows(0, max(ends))  # grows the table to cover every row
+        at = torch.tensor(positions)
+        rope = (self.rope.cos[at][:, None, None], self.rope.sin[at][:, None, None])  # [B,1,1,D]
+        for i, layer in enumerate(self.layers):
+            layer_kv = [(kv.keys[i], kv.values[i]) for kv in kvs]  # [1, kv, cap, D] each
+            hidden = self._layer_rows(layer, hidden, rope, layer_kv, positions)
+        for kv, end in zip(kvs, ends, strict=True):
+            kv.length = end
+        return hidden
+
+    def _static(self, cache: SpanCache, dtype: torch.dtype, tokens: int) -> StaticKV:
+        """`cache`'s static keys and values (made on first use), with room for `tokens`."""
+        if cache.static is None:
+            cache.static = StaticKV(len(self.layers), 1, self.kv_heads, self.head_dim, dtype)
+        if self.rope is None or self.rope.dtype != dtype:
+            self.rope = RopeTable(self._rotary, dtype)
+        cache.static.reserve(tokens)
+        return cache.static
+
+    def _layer_rows(
+        self,
+        layer: FusedLayer,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kvs: list[tuple[torch.Tensor, torch.Tensor]],
+        positions: list[int],
+    ) -> torch.Tensor:
+        """`_layer` for B single-token rows, each row its own session."""
+        batch, width = x.shape[0], (self.heads + self.kv_heads) * self.head_dim
+        qkv = layer.qkv(layer.input_norm(x))  # [B, 1, (heads + 2 kv) D]
+        qk = _rotate(qkv[..., :width].view(batch, -1, 1, self.head_dim), *rope)
+        values = qkv[..., width:].view(batch, -1, 1, self.head_dim)  # [B, kv, 1, D]
+        rows = []
+        for b, ((keys_b, values_b), p) in enumerate(zip(kvs, positions, strict=True)):
+            keys_b[:, :, p : p + 1] = qk[b : b + 1, self.heads :]
+            values_b[:, :, p : p + 1] = values[b : b + 1]
+            rows.append(
+                self._attend(
+                    qk[b : b + 1, : self.heads],
+                    keys_b[:, :, : p + 1],
+                    values_b[:, :, : p + 1],
+                    None,
+                    p,
+                )
+            )
+        attended = torch.cat(rows)  # [B, heads, 1, D]
+        x = x + layer.o(attended.reshape(batch, 1, -1))
+        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
+
     def _decode_compiled(
         self,
         hidden: torch.Tensor,

@@ -58,6 +58,26 @@ class Shard:
             out = self.arch.run_layers(self.layers, x, cache.as_dynamic(), position, self.extras)
         return out.to(torch.bfloat16)
 
+    @property
+    def batches(self) -> bool:
+        """Whether `forward_rows` runs its rows as one pass (the fast path), not one by one."""
+        return self.fast is not None
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, hidden: torch.Tensor, caches: list[Any], positions: list[int]
+    ) -> torch.Tensor:
+        """One decode step of B sessions: `hidden` [B, 1, H], row b at `positions[b]` of
+        `caches[b]` -> [B, 1, H] bf16. Rows are independent: each attends over its own cache."""
+        x = hidden.to(self.compute_dtype)
+        if self.fast is not None:
+            return self.fast.forward_rows(x, caches, positions).to(torch.bfloat16)  # type: ignore[no-any-return]
+        rows = [
+            self.forward(x[b : b + 1], c, p)
+            for b, (c, p) in enumerate(zip(caches, positions, strict=True))
+        ]
+        return torch.cat(rows)
+
     def weight_bytes(self) -> int:
         """Bytes this shard's weights hold (see `held_bytes`)."""
         return held_bytes(self)

@@ -73,7 +73,7 @@ class NodeAgent:
         self.retry_s = 0.1  # registration retries start fast: the first try may beat our server
 
     def loaded(self) -> list[msg.ShardRef]:
-        return [msg.ShardRef(model=m, span=s) for m, s in sorted(self.service.runners)]
+        return [msg.ShardRef(model=m, span=s) for m, s in self.service.shards]
 
     async def run(self) -> None:
         """Register, then heartbeat forever (cancel to stop)."""
@@ -108,13 +108,15 @@ class NodeAgent:
             await self._register()
             return
         # at most MAX_REQUESTS (a bounded deque); lost if this beat fails: they are for display
-        finished = [self.service.finished.popleft() for _ in range(len(self.service.finished))]
+        finished = self.service.finished.take()
         beat = msg.HeartbeatRequest(
             node_id=self.registration.node_id,
             loaded=self.loaded(),
             loading=[msg.ShardRef(model=m, span=s) for m, s in self.loading],
             failed=self.failed,
             sessions=self.service.session_count(),
+            queue_depth=self.service.scheduler.queue_depth(),
+            step_s=round(self.service.scheduler.step_s(), 6),
             requests=finished,
         )
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
@@ -146,17 +148,17 @@ class NodeAgent:
             log.info("%s %s %s: %s", d.op, d.model, d.span, d.reason)
             key = (d.model, d.span)
             if d.op == "DROP_SHARD":
-                self.service.remove(d.model, d.span)
-            elif key not in self.service.runners and key not in self.loading:
+                self.service.shards.remove(d.model, d.span)
+            elif key not in self.service.shards and key not in self.loading:
                 self.loading[key] = asyncio.create_task(self._load(d))
 
     async def _load(self, d: msg.DirectiveMessage) -> None:
         key = (d.model, d.span)
         try:
             runner = await asyncio.get_running_loop().run_in_executor(
-                self.service.worker, self.loader, d.model, d.source, d.span
+                self.service.scheduler.worker, self.loader, d.model, d.source, d.span
             )
-            self.service.add(runner)
+            self.service.shards.add(runner)
             log.info("loaded %s layers %s", d.model, d.span)
         except Exception as exc:  # a load is a task boundary: report, let the tracker re-plan
             log.exception("loading %s layers %s failed", d.model, d.span)

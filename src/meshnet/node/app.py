@@ -5,14 +5,11 @@ Every route but `/health` needs a swarm-key proof (the access guard, ADR-0017).
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from starlette.applications import Starlette
@@ -28,17 +25,18 @@ from meshnet.errors import (
     RequestError,
     SessionNotFoundError,
     UnavailableError,
-    WireError,
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
-from meshnet.node.compute import HostTurns, compute_executor
+from meshnet.node.compute import HostTurns
+from meshnet.node.outbox import Outbox
 from meshnet.node.runner import ShardRunner
+from meshnet.node.scheduler import BatchFn, Scheduler
+from meshnet.node.shards import ShardTable
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.swarm import SwarmKey, challenge_proof
-from meshnet.tracker import messages as msg
-from meshnet.types import LayerSpan, SessionId, is_valid_id
+from meshnet.types import SessionId, is_valid_id
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire import headers as h
 
@@ -64,11 +62,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 class NodeService:
-    """Binds the node's shard runners to HTTP.
+    """The node's HTTP side: decodes frames, admits sessions, answers on its own response.
 
-    Runner calls are serialised by one lock (the runners share all cores; their sessions need
-    no locking of their own) and run on one compute thread (`node/compute.py`); anyio's pool
-    (Starlette's `run_in_threadpool`) cost ~0.27 ms per call here.
+    The parts it binds each have one job: the shard table (`node/shards.py`), the scheduler
+    that owns the compute thread and batches decode steps (`node/scheduler.py`), and the
+    outbox of finished generations (`node/outbox.py`).
     """
 
     def __init__(
@@ -79,50 +77,57 @@ class NodeService:
         max_sessions: int = 64,
         metrics: Metrics | None = None,
         turns: HostTurns | None = None,
+        *,
+        node_id: str = "unregistered",
+        swarm_key: SwarmKey | None = None,
+        max_batch: int = 32,
+        batch_wait_s: float = 0.01,
     ) -> None:
-        self.runners: dict[tuple[str, LayerSpan], ShardRunner] = {}
-        for runner in runners:
-            self.add(runner)
+        self.shards = ShardTable(list(runners))
+        self.scheduler = Scheduler(turns, max_batch)
+        self.finished = Outbox()  # generations this entry finished, for the next heartbeat
+        self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
         self.wire = wire
-        self.lock = asyncio.Lock()
-        self.worker = compute_executor()
-        self.turns = turns or HostTurns()  # compute turns shared with co-located processes
+        self.max_sessions = max_sessions  # sessions of all shards together
+        self.node_id = node_id  # answered to the tracker's identity probe
+        self.swarm_key = swarm_key  # proves membership in that answer
         self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
         self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
-        self.max_sessions = max_sessions  # sessions of all shards together
-        self.node_id = "unregistered"  # answered to the tracker's identity probe
-        self.swarm_key: SwarmKey | None = None  # proves membership in that answer
         self.refused_sessions = 0  # new sessions refused by `max_sessions`
         self.metrics = metrics or Metrics()
         self.metrics.on_scrape(self._sample)
-        # generations this entry finished, not yet told to the tracker (heartbeats carry them)
-        self.finished: deque[msg.RequestSummary] = deque(maxlen=msg.MAX_REQUESTS)
 
     def _sample(self) -> None:
-        runners = list(self.runners.values())
-        self.metrics.sessions_active.set(sum(r.session_count() for r in runners))
-        self.metrics.kv_cache_bytes.set(sum(r.cache_bytes() for r in runners))
-
-    def add(self, runner: ShardRunner) -> None:
-        self.runners[(runner.model, runner.span)] = runner
-
-    def remove(self, model: str, span: LayerSpan) -> bool:
-        return self.runners.pop((model, span), None) is not None
+        self.metrics.sessions_active.set(self.shards.session_count())
+        self.metrics.kv_cache_bytes.set(self.shards.cache_bytes())
 
     def session_count(self) -> int:
-        return sum(r.session_count() for r in self.runners.values())
+        return self.shards.session_count()
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` alone, on the compute thread.
+    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
+        """Run `fn(*args)` on the compute thread, between the scheduler's batches.
 
         Never on the event loop's thread: a hand-off costs ~0.2 ms, a second thread running
         torch ops costs a decode step 12+ ms (`node/compute.py`).
         """
-        async with self.lock:
-            context = contextvars.copy_context()  # the worker's log lines name our session
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.worker, context.run, self.turns.run, fn, *args)
+        return await self.scheduler.call(fn, *args, group=group)
+
+    async def submit(
+        self,
+        key: Hashable | None,
+        run: BatchFn,
+        item: Any,
+        tokens: int = 1,
+        member: Hashable = None,
+        wait_s: float = 0.0,
+    ) -> Any:
+        """Batched model work (`Scheduler.submit`)."""
+        return await self.scheduler.submit(key, run, item, tokens, member, wait_s)
+
+    def forget(self, session: SessionId) -> None:
+        """A closed session: no batch waits for it (`Scheduler.forget`)."""
+        self.scheduler.forget(session)
 
     async def forward(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -139,17 +144,24 @@ class NodeService:
         return response
 
     async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> Response:
-        runner = self.runners.get((meta.model, meta.span))
-        if runner is None:
-            served = ", ".join(f"{m} {s}" for m, s in sorted(self.runners)) or "nothing yet"
-            raise WireError(
-                f"this node serves {served}, not {meta.model} layers {meta.span}", field=h.LAYERS
-            )
+        runner = self.shards.get(meta.model, meta.span)
         if meta.position == 0:
             self.admit_session()
-        out = await self.call(runner.forward, meta, hidden)
+        out = await self.run_frame(runner, meta, hidden)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
+
+    async def run_frame(
+        self, runner: ShardRunner, meta: FrameMeta, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """One frame through `runner`: a single token joins the runner's next batch; a
+        prefill chunk runs alone, one per round."""
+        tokens = hidden.shape[0] * hidden.shape[1]
+        key = ("frames", id(runner)) if tokens == 1 else None
+        out: torch.Tensor = await self.scheduler.submit(
+            key, runner.forward_many, (meta, hidden), tokens, meta.session, self.batch_wait_s
+        )
+        return out
 
     def admit_session(self) -> None:
         """A new session may start: not draining, and under `max_sessions`."""
@@ -175,7 +187,8 @@ class NodeService:
         session = SessionId(request.path_params["session"])
         if not is_valid_id(session):
             raise RequestError(f"invalid session id {session[:128]!r}", field="session")
-        dropped = [await self.call(r.drop, session) for r in list(self.runners.values())]
+        self.forget(session)
+        dropped = [await self.call(r.drop, session) for r in self.shards.runners()]
         if not any(dropped):
             raise SessionNotFoundError(
                 f"no session {session[:128]!r} on this node", field="session"
@@ -183,7 +196,7 @@ class NodeService:
         return JSONResponse({"dropped": session})
 
     async def health(self, _: Request) -> Response:
-        shards = [{"model": m, "span": str(s)} for m, s in sorted(self.runners)]
+        shards = [{"model": m, "span": str(s)} for m, s in self.shards]
         body: dict[str, object] = {
             "status": "ok",
             "version": __version__,

@@ -142,6 +142,7 @@ def make_generator(
         entry_id,
         retry=entry.retry,
         metrics=service.metrics,
+        step_wait_s=entry.step_wait_s,
     )
     return Generator(
         pipeline,
@@ -195,9 +196,11 @@ def entry_service(
         config.max_sessions,
         metrics=metrics,
         turns=host_turns(config.host_turns),
+        max_batch=config.max_batch,
+        batch_wait_s=config.batch_wait_s,
+        node_id=request.node_id,
+        swarm_key=SwarmKey.from_text(access.swarm_key) if access.swarm_key else None,
     )
-    service.node_id = request.node_id
-    service.swarm_key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None
     return service
 
 

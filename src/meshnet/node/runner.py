@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from meshnet.errors import SessionError
+from meshnet.node.scheduler import Failed
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
+
+Frame = tuple[FrameMeta, torch.Tensor]  # a decoded frame: its metadata, hidden [B, T, H]
 
 
 class ShardRunner(Protocol):
@@ -20,6 +24,11 @@ class ShardRunner(Protocol):
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` [batch, tokens, hidden] bf16 at `meta.position` -> same shape, bf16."""
+        ...
+
+    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+        """Single-token frames of different sessions as one batch (`forward`'s contract for
+        each); a frame that is refused or fails gets its `Failed` and changes nothing."""
         ...
 
     def drop(self, session: SessionId) -> bool:
@@ -61,6 +70,9 @@ class EchoRunner:
             self._sessions.popitem(last=False)
         return hidden
 
+    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+        return one_by_one(self.forward, frames)
+
     def drop(self, session: SessionId) -> bool:
         return self._sessions.pop(session, None) is not None
 
@@ -69,3 +81,16 @@ class EchoRunner:
 
     def cache_bytes(self) -> int:
         return 0  # it keeps no activations
+
+
+def one_by_one(
+    forward: Callable[[FrameMeta, torch.Tensor], torch.Tensor], frames: list[Frame]
+) -> list[torch.Tensor | Failed]:
+    """`forward_many` for a runner that cannot batch: each frame alone, failing alone."""
+    results: list[torch.Tensor | Failed] = []
+    for meta, hidden in frames:
+        try:
+            results.append(forward(meta, hidden))
+        except Exception as exc:  # each frame is its own request: it fails alone
+            results.append(Failed(exc))
+    return results

@@ -97,15 +97,17 @@ def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> h
 
 def build_app(config: NodeConfig, access: AccessConfig) -> Starlette:
     pinned = pinned_runner(config)
+    request = registration(config)
     service = NodeService(
         [pinned] if pinned else [],
         WireLimits(),
         WireConfig(),
         config.max_sessions,
         turns=host_turns(config.host_turns),
+        max_batch=config.max_batch,
+        batch_wait_s=config.batch_wait_s,
+        node_id=request.node_id,
     )
-    request = registration(config)
-    service.node_id = request.node_id
     if config.tracker_url is None:
         return create_app(service=service, access=access)
     tracker_url = config.tracker_url

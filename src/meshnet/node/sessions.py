@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,11 +97,14 @@ class SessionStore:
         self.refused = 0  # calls refused because the cache was full
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 
-    def checkout(self, meta: FrameMeta, tokens: int = 1) -> tuple[Session, ChunkState]:
+    def checkout(
+        self, meta: FrameMeta, tokens: int = 1, keep: AbstractSet[SessionId] = frozenset()
+    ) -> tuple[Session, ChunkState]:
         """The session `meta` continues (new at position 0), and its chunk state after it.
 
         Refuses (changing nothing) a call that does not continue the cache exactly, or whose
-        `tokens` new tokens would not fit the memory cap.
+        `tokens` new tokens would not fit the memory cap. Sessions in `keep` (checked out for
+        the same batch) are never evicted to make room.
         """
         self.expire()
         session = self._sessions.get(meta.session)
@@ -120,16 +124,18 @@ class SessionStore:
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
-        self._reserve(meta.session, session, tokens)
+        self._reserve(meta.session, session, tokens, keep)
         return session, chunks
 
-    def _reserve(self, sid: SessionId, session: Session, tokens: int) -> None:
+    def _reserve(
+        self, sid: SessionId, session: Session, tokens: int, keep: AbstractSet[SessionId]
+    ) -> None:
         """Make room for `tokens` more of `session`, evicting idle sessions, or refuse (429)."""
         need = self.bytes_per_token * (session.length + tokens) - session.cache_bytes
         others = {k: s for k, s in self._sessions.items() if k != sid}
         used = sum(s.cache_bytes for s in others.values())
         now = self.clock()
-        idle = {k: (s.cache_bytes, now - s.last_used_s) for k, s in others.items()}
+        idle = {k: (s.cache_bytes, now - s.last_used_s) for k, s in others.items() if k not in keep}
         victims = make_room(
             idle, used + session.cache_bytes, need, self.max_bytes, self.evict_idle_s
         )

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 
-from meshnet.errors import WireError
+from meshnet.errors import ComputeError, SessionError, WireError
 from meshnet.models.cache import cache_bytes, new_cache, truncate
 from meshnet.models.shard import Shard
-from meshnet.node.sessions import SessionStore
+from meshnet.node.runner import Frame, one_by_one
+from meshnet.node.scheduler import Failed
+from meshnet.node.sessions import Session, SessionStore
 from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta
+from meshnet.wire import ChunkState, FrameMeta
 from meshnet.wire import headers as h
+
+Ready = tuple[int, FrameMeta, Session, ChunkState]  # a checked-out frame of a batch
 
 
 class TorchShardRunner:
@@ -37,21 +43,92 @@ class TorchShardRunner:
         )
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        session, chunks = self._checkout(meta, hidden)
+        try:
+            out = self.shard.forward(hidden, session.cache, meta.position)
+            _require_finite_output(meta, out)
+        except BaseException:
+            truncate(session.cache, session.length)
+            raise
+        self.sessions.commit(meta.session, session, hidden.shape[1], chunks)
+        return out
+
+    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+        """Decode steps of many sessions as one batched pass (`Shard.forward_rows`).
+
+        Each frame is checked and checked out alone (a refused one gets its error); the
+        rest run together. A row that comes out non-finite fails alone, its cache rolled
+        back; should the batch itself raise, every frame runs again on its own.
+        """
+        if len(frames) == 1 or not self.shard.batches:
+            return one_by_one(self.forward, frames)
+        results: list[torch.Tensor | Failed | None] = [None] * len(frames)
+        ready = self._checkout_all(frames, results)
+        if ready:
+            self._run_rows(frames, ready, results)
+        return [r if r is not None else Failed(RuntimeError("frame not run")) for r in results]
+
+    def _checkout_all(
+        self, frames: list[Frame], results: list[torch.Tensor | Failed | None]
+    ) -> list[Ready]:
+        ready: list[Ready] = []
+        busy: set[SessionId] = set()
+        for index, (meta, hidden) in enumerate(frames):
+            try:
+                if meta.session in busy:
+                    raise SessionError(
+                        f"session {meta.session} sent two frames at once; each continues the "
+                        f"last one answered",
+                        field=h.POSITION,
+                    )
+                if hidden.shape[:2] != (1, 1):
+                    raise WireError("a batched frame holds one token of one row", field=h.SHAPE)
+                session, chunks = self._checkout(meta, hidden, busy)
+            except Exception as exc:  # refused alone: the frame's own request gets it
+                results[index] = Failed(exc)
+                continue
+            busy.add(meta.session)
+            ready.append((index, meta, session, chunks))
+        return ready
+
+    def _run_rows(
+        self,
+        frames: list[Frame],
+        ready: list[Ready],
+        results: list[torch.Tensor | Failed | None],
+    ) -> None:
+        hidden = torch.cat([frames[i][1] for i, *_ in ready])  # [B, 1, H]
+        caches = [session.cache for _, _, session, _ in ready]
+        try:
+            out = self.shard.forward_rows(hidden, caches, [m.position for _, m, _, _ in ready])
+        except Exception:  # the batch as a whole: undo it, then each frame alone
+            for _, _, session, _ in ready:
+                truncate(session.cache, session.length)
+            for index, *_ in ready:
+                results[index] = one_by_one(self.forward, [frames[index]])[0]
+            return
+        for row, (index, meta, session, chunks) in enumerate(ready):
+            try:
+                _require_finite_output(meta, out[row : row + 1])
+            except ComputeError as exc:
+                truncate(session.cache, session.length)
+                results[index] = Failed(exc)
+                continue
+            self.sessions.commit(meta.session, session, 1, chunks)
+            results[index] = out[row : row + 1]
+
+    def _checkout(
+        self, meta: FrameMeta, hidden: torch.Tensor, busy: AbstractSet[SessionId] = frozenset()
+    ) -> tuple[Session, ChunkState]:
         self._check(meta, hidden)
-        session, chunks = self.sessions.checkout(meta, hidden.shape[1])
+        session, chunks = self.sessions.checkout(meta, hidden.shape[1], keep=busy)
         if session.length and session.batch != hidden.shape[0]:
             raise WireError(
                 f"session {meta.session} has batch {session.batch}, not {hidden.shape[0]}",
                 field=h.SHAPE,
             )
         session.batch = hidden.shape[0]
-        try:
-            out = self.shard.forward(hidden, session.cache, meta.position)
-        except BaseException:
-            truncate(session.cache, session.length)
-            raise
-        self.sessions.commit(meta.session, session, hidden.shape[1], chunks)
-        return out
+        return session, chunks
 
     def _check(self, meta: FrameMeta, hidden: torch.Tensor) -> None:
         """Refuse (400) a frame this shard cannot run: wrong width, past the context."""
@@ -76,3 +153,11 @@ class TorchShardRunner:
 
     def cache_bytes(self) -> int:
         return self.sessions.total_bytes()
+
+
+def _require_finite_output(meta: FrameMeta, out: torch.Tensor) -> None:
+    if not bool(torch.isfinite(out).all()):
+        raise ComputeError(
+            f"layers {meta.span} turned session {meta.session}'s activations into NaN or Inf",
+            field="body",
+        )

@@ -90,6 +90,8 @@ class HeartbeatRequest(Message):
     loading: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     failed: list[ShardFailure] = Field(default=[], max_length=MAX_SHARDS)
     sessions: int = Field(ge=0, le=1 << 31, default=0)
+    queue_depth: int = Field(ge=0, le=1 << 31, default=0)  # jobs waiting for its compute thread
+    step_s: float = Field(ge=0, le=3600, default=0.0, allow_inf_nan=False)  # median decode round
     requests: list[RequestSummary] = Field(default=[], max_length=MAX_REQUESTS)
 
 
@@ -131,6 +133,8 @@ class NodeSummary(Message):
     loaded: list[ShardRef]
     loading: list[ShardRef]
     sessions: int
+    queue_depth: int = 0
+    step_s: float = 0.0
     last_heartbeat_age_s: float
     suspect: bool = False  # reported failing by an entry node; out of routes until it beats
     state: NodeState = "ready"

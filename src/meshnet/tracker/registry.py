@@ -42,6 +42,8 @@ class NodeRecord:
     failed: set[Key] = field(default_factory=set)
     pending: list[Directive] = field(default_factory=list)  # not yet delivered
     sessions: int = 0
+    queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
+    step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
     suspect: bool = False  # an entry node reported it failing; out of routes until it beats
     checked_s: float = 0.0  # when the tracker last checked that it still listens
 
@@ -126,6 +128,7 @@ class Registry:
         undelivered = {(d.model, d.span) for d in record.pending if d.op == "LOAD_SHARD"}
         record.assigned = (record.assigned & (reported | undelivered)) - record.failed
         record.sessions = beat.sessions
+        record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
         record.suspect = False  # it is alive: routes may use it again
         self.requests.extend((record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests)
         self.replan()

@@ -18,8 +18,10 @@ class Server:
     node_id: NodeId
     address: str
     span: LayerSpan
-    throughput: float  # higher is faster
+    throughput: float  # higher is faster (measured at start-up: matrix-vector products/s)
     sessions: int  # sessions it holds now
+    queue_depth: int = 0  # jobs waiting for its compute thread (at its last heartbeat)
+    step_s: float = 0.0  # its median decode round in seconds; 0 = not measured yet
 
 
 def choose_route(
@@ -32,7 +34,7 @@ def choose_route(
 ) -> list[Server]:
     """Hops covering `[start, end)` (`end` defaults to `num_layers`): fewest hops, then cost.
 
-    The cost of a hop is (1 + sessions) / throughput; among hops of equal cost `rng` picks,
+    The cost of a hop is its expected wait (`cost`); among hops of equal cost `rng` picks,
     which spreads sessions across replicas. Raises `MissingLayersError` naming uncovered
     layers, or `RouteError` when layers are covered but no chain lines up.
     """
@@ -44,7 +46,7 @@ def choose_route(
             by_start.setdefault(server.span.start, []).append(server)
     for position in range(end - 1, start - 1, -1):
         options = [
-            (best[s.span.end][0] + 1, best[s.span.end][1] + _cost(s))
+            (best[s.span.end][0] + 1, best[s.span.end][1] + cost(s))
             for s in by_start.get(position, [])
             if s.span.end in best
         ]
@@ -55,8 +57,12 @@ def choose_route(
     return _walk(best, by_start, start, end, rng)
 
 
-def _cost(server: Server) -> float:
-    return (1 + server.sessions) / max(server.throughput, 1e-9)
+def cost(server: Server) -> float:
+    """A hop's load-aware cost: its time per decode round (measured; before the first one,
+    the inverse of its start-up throughput) times the work ahead of a new session: every
+    session it holds and every job waiting for its compute thread, plus the new one."""
+    base_s = server.step_s if server.step_s > 0 else 1 / max(server.throughput, 1e-9)
+    return base_s * (1 + server.sessions + server.queue_depth)
 
 
 def _walk(
@@ -74,8 +80,8 @@ def _walk(
             for s in by_start[position]
             if s.span.end in best and best[s.span.end][0] == hops_left - 1
         ]
-        cheapest = min(_cost(s) + best[s.span.end][1] for s in candidates)
-        ties = [s for s in candidates if _cost(s) + best[s.span.end][1] <= cheapest * 1.000001]
+        cheapest = min(cost(s) + best[s.span.end][1] for s in candidates)
+        ties = [s for s in candidates if cost(s) + best[s.span.end][1] <= cheapest * 1.000001]
         choice = ties[rng.randrange(len(ties))]
         hops.append(choice)
         position = choice.span.end

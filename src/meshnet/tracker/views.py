@@ -17,7 +17,15 @@ def servers(
 ) -> list[Server]:
     """Every loaded span of `model` on nodes not excluded or reported failing."""
     return [
-        Server(node_id, r.request.address, span, r.request.throughput, r.sessions)
+        Server(
+            node_id,
+            r.request.address,
+            span,
+            r.request.throughput,
+            r.sessions,
+            r.queue_depth,
+            r.step_s,
+        )
         for node_id, r in sorted(registry.nodes.items())
         if node_id not in exclude and not r.suspect
         for m, span in sorted(r.loaded)
@@ -73,6 +81,8 @@ def coverage(registry: Registry) -> msg.CoverageResponse:
             loaded=[msg.ShardRef(model=m, span=s) for m, s in sorted(r.loaded)],
             loading=[msg.ShardRef(model=m, span=s) for m, s in sorted(r.assigned - r.loaded)],
             sessions=r.sessions,
+            queue_depth=r.queue_depth,
+            step_s=r.step_s,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
             suspect=r.suspect,
             state=states[n],

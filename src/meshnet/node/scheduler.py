@@ -1,0 +1,247 @@
+"""The compute thread's scheduler: every model call of a process, continuously batched.
+
+Callers submit jobs from the event loop; one driver task hands them to the compute thread
+(`node/compute.py`) in rounds, planned by pure functions:
+- `due`: which jobs may run now. A decode step (one token, with a batch key) waits, at most
+  its `wait_s`, until every member (session) of its key's last round is queued again; other
+  work runs meanwhile. Without it, sessions that once fell out of step (one joined later, one
+  waited for a prefill chunk) would run as alternating batches for good.
+- `plan_round`: the jobs that are due, as calls: decode steps of one key run as one call over
+  all their items; at most one heavy job (a prefill chunk) runs per round, after them, so a
+  long prompt delays a decode step by one chunk at most, never by the whole prompt.
+Jobs that arrive while a round runs join the next one (ADR-0027).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import statistics
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from meshnet.node.compute import HostTurns, compute_executor
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+BatchFn = Callable[[list[Any]], list[Any]]  # items -> one result (or `Failed`) per item
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What the planner sees of a queued job."""
+
+    key: Hashable | None  # jobs with the same key may run as one call; None: always alone
+    tokens: int = 1  # tokens of model work; more than one makes it heavy (a prefill chunk)
+    member: Hashable = None  # the session it steps, if any
+    since_s: float = 0.0  # when it was queued (the loop's clock)
+    wait_s: float = 0.0  # how long its round may wait for the last round's members
+
+    @property
+    def decode(self) -> bool:
+        return self.key is not None and self.tokens == 1
+
+
+def due(
+    waiting: Sequence[Waiting], last: Mapping[Hashable, set[Hashable]], now_s: float
+) -> list[bool]:
+    """For each job, whether it may run now: anything but a decode step; a decode step once
+    every member of its key's `last` round is queued, or once its key's oldest queued step
+    has waited its `wait_s`."""
+    queued: dict[Hashable, set[Hashable]] = {}
+    oldest: dict[Hashable, Waiting] = {}
+    for job in waiting:
+        if job.decode:
+            queued.setdefault(job.key, set()).add(job.member)
+            oldest.setdefault(job.key, job)
+    ready = {
+        key: not (last.get(key, set()) - members)
+        or now_s - oldest[key].since_s >= oldest[key].wait_s
+        for key, members in queued.items()
+    }
+    return [not job.decode or ready[job.key] for job in waiting]
+
+
+def next_due_s(waiting: Sequence[Waiting]) -> float:
+    """The loop time by which some waiting decode step is due whoever comes."""
+    return min((j.since_s + j.wait_s for j in waiting if j.decode), default=0.0)
+
+
+def plan_round(waiting: Sequence[Waiting], max_batch: int) -> list[list[int]]:
+    """The batches of the next round, as indices into `waiting` (oldest first), in order.
+
+    Light jobs (one token) with a key are grouped by key, up to `max_batch` a group; light
+    jobs without a key run alone; then the oldest heavy job, alone. Jobs not planned (a second
+    heavy one, a group's overflow) wait for the next round, keeping their place.
+    """
+    groups: dict[Hashable, list[int]] = {}
+    batches: list[list[int]] = []
+    heavy: int | None = None
+    for index, job in enumerate(waiting):
+        if job.tokens > 1:
+            heavy = index if heavy is None else heavy
+        elif job.key is None:
+            batches.append([index])
+        elif job.key not in groups:
+            groups[job.key] = [index]
+            batches.append(groups[job.key])
+        elif len(groups[job.key]) < max_batch:
+            groups[job.key].append(index)
+    batches.sort(key=lambda batch: batch[0])
+    return batches + ([[heavy]] if heavy is not None else [])
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A batch function's result for an item that failed alone."""
+
+    error: BaseException
+
+
+@dataclass
+class _Job:
+    waiting: Waiting
+    run: BatchFn
+    item: Any
+    future: asyncio.Future[Any]
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
+
+
+class Scheduler:
+    """Owns the compute thread; runs every model call of its process in batched rounds."""
+
+    def __init__(self, turns: HostTurns | None = None, max_batch: int = 32) -> None:
+        self.worker = compute_executor()
+        self.turns = turns or HostTurns()  # compute turns shared with co-located processes
+        self.max_batch = max_batch
+        self.batch_sizes: list[int] = []  # of the last batched calls (observability, tests)
+        self._rounds_s: list[float] = []  # wall seconds of the last decode rounds
+        self._members: dict[Hashable, set[Hashable]] = {}  # key -> its last round's members
+        self._queue: list[_Job] = []
+        self._driver: asyncio.Task[None] | None = None
+        self._arrived = asyncio.Event()  # set by every submit
+
+    def step_s(self) -> float:
+        """Median seconds of the last decode rounds (0 before the first): what a new
+        session's step waits for here; heartbeats carry it to the tracker's route choice."""
+        return statistics.median(self._rounds_s) if self._rounds_s else 0.0
+
+    def queue_depth(self) -> int:
+        """Jobs waiting for the compute thread now."""
+        return len(self._queue)
+
+    def forget(self, member: Hashable) -> None:
+        """`member` (a closed session) sends no more steps: no round waits for it."""
+        for members in self._members.values():
+            members.discard(member)
+
+    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
+        """`fn(*args)` on the compute thread. Calls of one `group` queued together run back
+        to back in one hand-off (each its own call, failing alone)."""
+        return await self.submit(group, _each(fn), args)  # type: ignore[no-any-return]
+
+    async def submit(
+        self,
+        key: Hashable | None,
+        run: BatchFn,
+        item: Any,
+        tokens: int = 1,
+        member: Hashable = None,
+        wait_s: float = 0.0,
+    ) -> Any:
+        """Queue `item`; `run([item, ...])` runs it with the other items of `key` in its
+        round. `member` (a session id) will send the next step of `key` too; a round of
+        `key` waits up to `wait_s` for the members of the last one. Returns the item's
+        result, or raises its `Failed` error."""
+        loop = asyncio.get_running_loop()
+        waiting = Waiting(key, tokens, member, loop.time(), wait_s)
+        job = _Job(waiting, run, item, loop.create_future())
+        self._queue.append(job)
+        self._arrived.set()
+        if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
+            # a driver is started per event loop: jobs of a closed loop have nobody waiting
+            self._queue = [j for j in self._queue if j.future.get_loop() is loop]
+            self._arrived = asyncio.Event()  # an event belongs to the loop that first waits
+            self._driver = loop.create_task(self._drive())
+        return await job.future
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            self._queue = [j for j in self._queue if not j.future.done()]  # callers gone
+            waiting = [j.waiting for j in self._queue]
+            ready = [
+                j
+                for j, ok in zip(self._queue, due(waiting, self._members, loop.time()), strict=True)
+                if ok
+            ]
+            if not ready:
+                await self._arrival(next_due_s(waiting) - loop.time())
+                continue
+            batches = [
+                [ready[i] for i in b]
+                for b in plan_round([j.waiting for j in ready], self.max_batch)
+            ]
+            planned = {id(job) for batch in batches for job in batch}
+            self._queue = [j for j in self._queue if id(j) not in planned]
+            for batch in batches:
+                await self._run_batch(loop, batch)
+
+    async def _arrival(self, timeout_s: float) -> None:
+        """Until a job is submitted, or `timeout_s` passes."""
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, group: list[_Job]) -> None:
+        decode = group[0].waiting.decode
+        if decode:
+            self._members[group[0].waiting.key] = {j.waiting.member for j in group} - {None}
+        if len(group) > 1:
+            self.batch_sizes = [*self.batch_sizes[-63:], len(group)]
+        started = loop.time()
+        results = await loop.run_in_executor(self.worker, self._run, group)
+        if decode:
+            self._rounds_s = [*self._rounds_s[-31:], loop.time() - started]
+        for job, result in zip(group, results, strict=True):
+            _settle(job.future, result)
+
+    def _run(self, group: list[_Job]) -> list[Any]:
+        """Compute thread: one call over the group's items, in this process's turn."""
+        context = group[0].context if len(group) == 1 else contextvars.Context()
+        try:
+            results = context.run(self.turns.run, group[0].run, [j.item for j in group])
+        except Exception as exc:  # the batch as a whole failed: each of its callers gets it
+            return [Failed(exc)] * len(group)
+        if len(results) != len(group):
+            error = RuntimeError(f"a batch of {len(group)} gave {len(results)} results")
+            return [Failed(error)] * len(group)
+        return results
+
+
+def _each(fn: Callable[..., Any]) -> BatchFn:
+    """A batch function running `fn(*args)` for each item alone."""
+
+    def run(items: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        for args in items:
+            try:
+                results.append(fn(*args))
+            except Exception as exc:  # one call's failure is its caller's, not the group's
+                results.append(Failed(exc))
+        return results
+
+    return run
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():  # the caller went away
+        return
+    if isinstance(result, Failed):
+        future.set_exception(result.error)
+    else:
+        future.set_result(result)
