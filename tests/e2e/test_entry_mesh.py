@@ -112,9 +112,22 @@ def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: Mesh) -> Non
         return str(answer.json()["choices"][0]["message"]["content"])
 
     one_by_one = [ask(q) for q in questions]
+    before = batched_steps(mesh.url)
     with ThreadPoolExecutor(len(questions)) as pool:
         assert list(pool.map(ask, questions)) == one_by_one
     assert all(mesh.sessions(name) == 0 for name in mesh.addresses)  # every session closed
+    assert batched_steps(mesh.url) > before  # the entry ran decode steps of several at once
+
+
+def batched_steps(url: str) -> float:
+    """Decode passes of a process that held more than one session (`/metrics`)."""
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    counts = {
+        line.split('le="')[1].split('"')[0]: float(line.split()[-1])
+        for line in lines
+        if line.startswith("meshnet_decode_batch_rows_bucket")
+    }
+    return counts["+Inf"] - counts["1.0"]
 
 
 def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:

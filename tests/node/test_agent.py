@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 
@@ -11,6 +12,7 @@ from meshnet.node.agent import NodeAgent, node_id
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner, ShardRunner
 from meshnet.tracker import messages as msg
+from meshnet.tracker import views
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
@@ -111,6 +113,30 @@ def test_heartbeats_carry_the_finished_requests_once() -> None:
         await settle(node, beats=2)  # the second beat has nothing new to tell
         assert [(entry, r) for _, entry, r in registry.requests] == [("a", summary)]
         assert not node.service.finished
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_heartbeats_carry_live_load_into_route_choice() -> None:
+    """Two copies of the same span: the one whose heartbeat reports a long queue and slow
+    decode rounds loses the route to the idle one."""
+
+    async def scenario() -> None:
+        registry, client = tracker()
+        busy, idle = agent(client, "a", 100), agent(client, "b", 100)
+        await settle(busy, idle)
+        busy.service.scheduler._rounds_s = [0.05, 0.04, 0.06]  # as measured by its rounds
+        busy.service.scheduler._queue = [object()] * 3  # type: ignore[list-item]
+        idle.service.scheduler._rounds_s = [0.05]
+        await settle(busy, idle, beats=1)
+        record = registry.nodes["a"]
+        assert (record.queue_depth, record.step_s) == (3, 0.05)
+        servers = {s.node_id: s for s in views.servers(registry, ModelId("m"))}
+        assert servers["a"].queue_depth == 3 and servers["b"].step_s == 0.05
+        for seed in range(5):
+            hops = views.route(registry, "m", 0, random.Random(seed))
+            assert [h.node_id for h in hops.hops] == ["b"]
         await client.aclose()
 
     run(scenario())

@@ -9,7 +9,8 @@ import zstandard
 
 from meshnet.config import WireConfig, WireLimits
 from meshnet.node.app import NodeService, create_app
-from meshnet.node.runner import EchoRunner
+from meshnet.node.runner import EchoRunner, Frame
+from meshnet.node.scheduler import Failed
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
 from meshnet.wire import headers as h
@@ -160,3 +161,72 @@ def test_new_sessions_over_the_node_limit_get_429_and_old_ones_go_on() -> None:
     step = encode(torch.randn(1, 1, 16), FrameMeta(SessionId("s1"), META.model, SPAN, 4))
     assert run(post(app, step.headers, bytes(step.body))).status_code == 200
     assert runner.session_count() == 2 and service.refused_sessions == 1
+
+
+class BatchingEcho(SlowEcho):
+    """A slow echo runner that records how many frames each `forward_many` call took."""
+
+    def __init__(self) -> None:
+        super().__init__(0.02)
+        self.batches: list[int] = []
+
+    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+        self.batches.append(len(frames))
+        return super().forward_many(frames)
+
+
+def test_decode_frames_of_concurrent_sessions_share_a_batch_and_answer_their_own() -> None:
+    """Six sessions send a decode step at once; one of them at the wrong position. The
+    others run as one call and each response carries its own session's activations; the
+    wrong one gets its 409 alone."""
+    import asyncio
+
+    runner = BatchingEcho()
+    service = NodeService([runner], WireLimits(), WireConfig(), batch_wait_s=0.05)
+    app = create_app(service=service)
+    sessions = [SessionId(f"s{i}") for i in range(6)]
+
+    async def scenario() -> list[httpx.Response]:
+        for sid in sessions:  # prefill: 4 tokens each, alone
+            frame = encode(torch.randn(1, 4, 16), FrameMeta(sid, META.model, SPAN, 0))
+            assert (await post(app, frame.headers, bytes(frame.body))).status_code == 200
+        steps = [
+            encode(
+                torch.full((1, 1, 16), float(i)),
+                FrameMeta(sid, META.model, SPAN, 3 if i == 5 else 4),
+            )
+            for i, sid in enumerate(sessions)
+        ]
+        first = asyncio.create_task(post(app, steps[0].headers, bytes(steps[0].body)))
+        await asyncio.sleep(0.005)  # its round is running: the rest queue behind it
+        rest = [post(app, s.headers, bytes(s.body)) for s in steps[1:]]
+        return [await first, *await asyncio.gather(*rest)]
+
+    answers = run(scenario())
+    assert [a.status_code for a in answers] == [200] * 5 + [409]
+    assert answers[5].json()["error"]["field"] == "position"
+    for i, answer in enumerate(answers[:5]):
+        _, hidden = decode(answer.headers, answer.content, WireLimits())
+        assert torch.equal(hidden, torch.full((1, 1, 16), float(i)).bfloat16())
+    assert runner.batches[-2:] == [1, 5]  # the first alone, then the other five together
+    assert runner.session_count() == 6
+
+
+def test_session_limit_holds_while_steps_are_batched() -> None:
+    import asyncio
+
+    runner = BatchingEcho()
+    service = NodeService([runner], WireLimits(), WireConfig(), max_sessions=3)
+    app = create_app(service=service)
+
+    async def scenario() -> list[int]:
+        frames = [
+            encode(torch.randn(1, 1, 16), FrameMeta(SessionId(f"n{i}"), META.model, SPAN, 0))
+            for i in range(5)
+        ]
+        answers = await asyncio.gather(*(post(app, f.headers, bytes(f.body)) for f in frames))
+        return [a.status_code for a in answers]
+
+    codes = run(scenario())  # five new sessions at once: their places are held before any cache
+    assert sorted(codes) == [200, 200, 200, 429, 429]
+    assert runner.session_count() == 3 and service.refused_sessions == 2

@@ -61,8 +61,13 @@ class Executor(Protocol):
         """`session` has ended: no batch waits for it."""
         ...
 
-    def admit_session(self) -> None:
-        """Raise when this process takes no new session (draining, or at `max_sessions`)."""
+    def admit_session(self, session: SessionId) -> None:
+        """Raise when this process takes no new session (draining, or at `max_sessions`);
+        else hold a place for `session` until `admitted`."""
+        ...
+
+    def admitted(self, session: SessionId) -> None:
+        """`session`'s first call is over (its cache counts by itself now)."""
         ...
 
 
@@ -132,10 +137,15 @@ class Pipeline:
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
         span counts against its process's session limit like any hop's."""
-        self.executor.admit_session()
+        session = SessionId(f"s-{uuid.uuid4().hex}")
+        self.executor.admit_session(session)
         start = self.local.span.end
-        hops = await self.routes.route(self.model, start) if start < self.num_layers else []
-        return PipelineSession(SessionId(f"s-{uuid.uuid4().hex}"), hops)
+        try:
+            hops = await self.routes.route(self.model, start) if start < self.num_layers else []
+        except BaseException:
+            self.executor.admitted(session)
+            raise
+        return PipelineSession(session, hops)
 
     async def feed(self, session: PipelineSession, ids: list[int], pick: Pick[T]) -> T:
         """Run `ids` after the session's tokens; `pick` (a sampler) of the float32 logits [V]
@@ -149,9 +159,13 @@ class Pipeline:
         last = not session.hops
         key = ("local", id(self)) if len(ids) == 1 else None
         item = (session, ids, pick if last else None)
-        out = await self.executor.submit(
-            key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
-        )
+        try:
+            out = await self.executor.submit(
+                key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
+            )
+        finally:
+            if session.position == 0:  # the first call: its cache holds its place from now
+                self.executor.admitted(session.id)
         if not last:
             for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
                 out = await self._remote(session, chunk)
@@ -245,5 +259,6 @@ class Pipeline:
     async def close(self, session: PipelineSession) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised)."""
         self.executor.forget(session.id)
+        self.executor.admitted(session.id)  # a session closed before its first call
         await self.executor.call(self.local.drop, session.id)
         await asyncio.gather(*(self.transport.close_session(h, session.id) for h in session.hops))

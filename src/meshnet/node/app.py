@@ -84,7 +84,8 @@ class NodeService:
         batch_wait_s: float = 0.01,
     ) -> None:
         self.shards = ShardTable(list(runners))
-        self.scheduler = Scheduler(turns, max_batch)
+        self.metrics = metrics or Metrics()
+        self.scheduler = Scheduler(turns, max_batch, self.metrics.decode_batch_rows.observe)
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
@@ -95,7 +96,7 @@ class NodeService:
         self.draining = False  # set on SIGTERM: sessions in flight finish, new ones are refused
         self.on_exit: Callable[[], object] = lambda: None  # set by the lifespan: leave the tracker
         self.refused_sessions = 0  # new sessions refused by `max_sessions`
-        self.metrics = metrics or Metrics()
+        self._opening: set[SessionId] = set()  # admitted, first call not over yet
         self.metrics.on_scrape(self._sample)
 
     def _sample(self) -> None:
@@ -146,8 +147,11 @@ class NodeService:
     async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> Response:
         runner = self.shards.get(meta.model, meta.span)
         if meta.position == 0:
-            self.admit_session()
-        out = await self.run_frame(runner, meta, hidden)
+            self.admit_session(meta.session)
+        try:
+            out = await self.run_frame(runner, meta, hidden)
+        finally:
+            self.admitted(meta.session)
         encoded = encode(out, meta, self.wire)
         return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
@@ -163,17 +167,24 @@ class NodeService:
         )
         return out
 
-    def admit_session(self) -> None:
-        """A new session may start: not draining, and under `max_sessions`."""
+    def admit_session(self, session: SessionId) -> None:
+        """Let `session` start (not draining, under `max_sessions`) and hold its place until
+        `admitted`: new sessions that arrive at once all count, before any cache exists."""
         if self.draining:
             raise UnavailableError("this node is shutting down; it takes no new sessions")
-        if self.session_count() >= self.max_sessions:
+        held = self.session_count() + len(self._opening)
+        if held >= self.max_sessions:
             self.refused_sessions += 1
             raise LimitError(
-                f"this node holds {self.session_count()} sessions, its limit; retry later",
+                f"this node holds {held} sessions, its limit; retry later",
                 retry_after_s=1.0,
                 field="X-Meshnet-Session",
             )
+        self._opening.add(session)
+
+    def admitted(self, session: SessionId) -> None:
+        """`session`'s first call is over: its cache (if it made one) counts from now on."""
+        self._opening.discard(session)
 
     async def identity(self, request: Request) -> Response:
         """The answer to the tracker's probe: our id and a proof only a member can make."""

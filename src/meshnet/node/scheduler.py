@@ -112,8 +112,14 @@ class _Job:
 class Scheduler:
     """Owns the compute thread; runs every model call of its process in batched rounds."""
 
-    def __init__(self, turns: HostTurns | None = None, max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        turns: HostTurns | None = None,
+        max_batch: int = 32,
+        on_decode: Callable[[int], object] = lambda rows: None,
+    ) -> None:
         self.worker = compute_executor()
+        self.on_decode = on_decode  # gets the size of every decode call (a metric)
         self.turns = turns or HostTurns()  # compute turns shared with co-located processes
         self.max_batch = max_batch
         self.batch_sizes: list[int] = []  # of the last batched calls (observability, tests)
@@ -201,6 +207,7 @@ class Scheduler:
         decode = group[0].waiting.decode
         if decode:
             self._members[group[0].waiting.key] = {j.waiting.member for j in group} - {None}
+            self.on_decode(len(group))
         if len(group) > 1:
             self.batch_sizes = [*self.batch_sizes[-63:], len(group)]
         started = loop.time()

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 disable_created_metrics()  # type: ignore[no-untyped-call]
 # /forward handling on a CPU: ~1 ms for a decode step, up to seconds for a prefill chunk
 FORWARD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of one batched decode step
 
 
 class Metrics:
@@ -47,6 +48,12 @@ class Metrics:
             "Time to handle one POST /forward, decode to encode",
             ["model"],
             buckets=FORWARD_BUCKETS_S,
+            registry=r,
+        )
+        self.decode_batch_rows = Histogram(
+            "meshnet_decode_batch_rows",
+            "Sessions whose decode step ran in one pass of the compute thread",
+            buckets=BATCH_BUCKETS,
             registry=r,
         )
         self.tokens_generated = Counter(
