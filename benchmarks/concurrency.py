@@ -1,4 +1,4 @@
-"""Many users at once: aggregate and per-request speed at 1, 2, 4, 8 concurrent requests.
+"""Many users at once: aggregate and per-request speed at 1 to 16 concurrent requests.
 
     python benchmarks/concurrency.py                      # 3-hop mesh and 1 node; fp32, bf16, int8
     python benchmarks/concurrency.py --tiny               # 3-hop fp32, 1 and 2 at once, 8 tokens
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="3hop fp32, 1 and 2 at once")
     parser.add_argument("--setups", nargs="+", default=["3hop", "1node"], choices=list(SPANS))
     parser.add_argument("--quants", nargs="+", default=["fp32", "bf16", "int8"])
-    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--extra", action="append", default=[], help="flags for every process")

@@ -15,7 +15,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,23 +66,88 @@ class HostTurns:
     take turns, each with every core, instead of running their OpenMP teams on the same cores
     at once (three processes on two cores with four sessions in flight gave half the tokens
     of one session). With no path, calls run at once: one process per machine, or a GPU.
+
+    A turn waits at most `stale_s` for the lock, then runs without it (logged): a process
+    stopped while holding it (SIGSTOP, a debugger) must not freeze every other one on the
+    host. A blocking `flock` cannot time out, so a helper thread takes the lock for the
+    compute thread and hands it over, or lets it go again if the compute thread gave up.
     """
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, stale_s: float = 1.0) -> None:
         self.path = path
+        self.stale_s = stale_s
+        self.skipped = 0  # turns that ran without the lock
         self._fd: int | None = None
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` in this process's turn (on the compute thread)."""
         if self.path is None:
             return fn(*args)
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        held = self._acquire()
         try:
             return fn(*args)
         finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(self._fd_for_lock(), fcntl.LOCK_UN)
+
+    def _acquire(self) -> bool:
+        """Whether this turn holds the lock (False: it waited `stale_s` in vain)."""
+        fd = self._fd_for_lock()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the common case: free
+            return True
+        except BlockingIOError:
+            pass
+        request = _Request()
+        self._requests.put(request)
+        if request.granted.wait(self.stale_s) or not request.give_up():
+            return True
+        self.skipped += 1
+        log.warning(
+            "another meshnet process has held the compute lock %s for over %.1f s (stopped?); "
+            "computing without it",
+            self.path,
+            self.stale_s,
+        )
+        return False
+
+    def _fd_for_lock(self) -> int:
+        if self._fd is None:
+            assert self.path is not None  # only called with a path
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            threading.Thread(target=self._take_for_requests, daemon=True).start()
+        return self._fd
+
+    def _take_for_requests(self) -> None:
+        """Helper thread: a blocking `flock` per request; handed over, or let go when the
+        compute thread stopped waiting."""
+        while True:
+            request = self._requests.get()
+            fcntl.flock(self._fd_for_lock(), fcntl.LOCK_EX)
+            if not request.hand_over():
+                fcntl.flock(self._fd_for_lock(), fcntl.LOCK_UN)
+
+
+class _Request:
+    """One compute turn waiting for the lock: either handed over or given up, never both."""
+
+    def __init__(self) -> None:
+        self.granted = threading.Event()
+        self._mutex = threading.Lock()
+        self._abandoned = False
+
+    def hand_over(self) -> bool:
+        with self._mutex:
+            if not self._abandoned:
+                self.granted.set()
+            return not self._abandoned
+
+    def give_up(self) -> bool:
+        """False when the lock was handed over meanwhile (then the turn holds it)."""
+        with self._mutex:
+            self._abandoned = not self.granted.is_set()
+            return self._abandoned
 
 
 def host_turns(enabled: bool) -> HostTurns:
