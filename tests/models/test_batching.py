@@ -15,7 +15,7 @@ from meshnet.client.routes import StaticRoutes
 from meshnet.client.sampling import SamplingParams
 from meshnet.client.transport import HttpTransport
 from meshnet.config import AccessConfig, EntryConfig, NodeConfig
-from meshnet.errors import ComputeError, SessionError
+from meshnet.errors import ComputeError, LimitError, SessionError
 from meshnet.models.cache import cache_length, new_cache
 from meshnet.models.loader import load_shard
 from meshnet.models.source import resolve
@@ -61,11 +61,39 @@ def test_batched_decode_rows_equal_one_session_at_a_time(
                 for i, (c, p) in enumerate(zip(alone, positions, strict=True))
             ]
         )
-        many = shard.forward_rows(x, batched, positions)
+        many = torch.cat(shard.forward_many(list(x.split(1)), batched, positions))
         assert many.dtype == torch.bfloat16 and many.shape == one.shape
         assert relative(many, one) < TOLERANCE[quant]
         positions = [p + 1 for p in positions]
     assert [cache_length(c) for c in batched] == positions
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("quant", ["fp32", "bf16", "int8"])
+def test_prefill_chunks_and_decode_steps_in_one_pass_equal_each_alone(
+    model_type: str, quant: str, tiny_folder: Callable[[str], Path]
+) -> None:
+    """One pass packing a new prompt (position 0), a second chunk after cached tokens and
+    two decode steps gives each session what it gets alone, and leaves the same caches."""
+    source = resolve(str(tiny_folder(model_type)))
+    shard = load_shard(source, LayerSpan(0, source.spec.num_layers), quant)
+    torch.manual_seed(1)
+    cached = [0, 30, 12, 70]  # tokens each session holds before the pass
+    pieces = [torch.randn(1, t, 64) for t in (25, 40, 1, 1)]  # what each sends in it
+    alone, packed = [new_cache() for _ in cached], [new_cache() for _ in cached]
+    for n, a, b in zip(cached, alone, packed, strict=True):
+        if n:
+            prompt = torch.randn(1, n, 64)
+            shard.forward(prompt, a, 0), shard.forward(prompt, b, 0)
+    ones = [shard.forward(x, c, n) for x, c, n in zip(pieces, alone, cached, strict=True)]
+    many = shard.forward_many(pieces, packed, cached)
+    for one, out in zip(ones, many, strict=True):
+        assert out.shape == one.shape and relative(out, one) < TOLERANCE[quant]
+    step = torch.randn(1, 1, 64)  # the caches the pass left continue like the others
+    for a, b, n, x in zip(alone, packed, cached, pieces, strict=True):
+        end = n + x.shape[1]
+        assert cache_length(b) == end
+        assert relative(shard.forward(step, b, end), shard.forward(step, a, end)) < 2e-2
 
 
 def frame(session: str, position: int, hidden: torch.Tensor) -> tuple[FrameMeta, torch.Tensor]:
@@ -86,14 +114,16 @@ def test_a_row_that_fails_fails_alone_and_changes_nothing(
     for s, p in prompts.items():
         runner.forward(*frame(s, 0, p)), reference.forward(*frame(s, 0, p))
     fast = runner.shard.fast
-    rows = fast.forward_rows
+    packed = fast.forward_many
 
-    def faulty(hidden: torch.Tensor, caches: list[object], positions: list[int]) -> torch.Tensor:
-        out = rows(hidden, caches, positions)  # every row's cache was written
-        out[1] = float("nan")
-        return out
+    def faulty(
+        hiddens: list[torch.Tensor], caches: list[object], positions: list[int]
+    ) -> list[torch.Tensor]:
+        outs = packed(hiddens, caches, positions)  # every session's cache was written
+        outs[1] = outs[1].clone().fill_(float("nan"))
+        return list(outs)
 
-    monkeypatch.setattr(fast, "forward_rows", faulty)
+    monkeypatch.setattr(fast, "forward_many", faulty)
     good = torch.randn(1, 1, 64).bfloat16()
     results = runner.forward_many(
         [
@@ -152,3 +182,22 @@ def test_concurrent_generations_give_the_tokens_each_gives_alone(quant: str) -> 
     alone, together = asyncio.run(scenario())
     assert together == alone
     assert max(service.scheduler.batch_sizes) == len(QUESTIONS)  # they shared batches
+
+
+def test_a_frame_over_the_kv_cache_cap_gets_429_alone(tiny_folder: Callable[[str], Path]) -> None:
+    """`--max-kv-cache` under batching: a session whose next token does not fit is refused
+    (429, naming the cache) while the others in the same batch run."""
+    source = resolve(str(tiny_folder("llama")))
+    shard = load_shard(source, LayerSpan(0, 6), "bf16")
+    probe = TorchShardRunner(ModelId("m"), shard)
+    probe.forward(*frame("p", 0, torch.randn(1, 10, 64).bfloat16()))
+    per_token = probe.sessions.bytes_per_token  # learned from the first session
+    runner = TorchShardRunner(ModelId("m"), shard, max_cache_bytes=per_token * 21)
+    runner.forward(*frame("short", 0, torch.randn(1, 10, 64).bfloat16()))
+    runner.forward(*frame("long", 0, torch.randn(1, 10, 64).bfloat16()))  # 20 of 21 tokens
+    step = torch.randn(1, 1, 64).bfloat16()
+    results = runner.forward_many([frame("short", 10, step), frame("long", 10, step)])
+    assert isinstance(results[0], torch.Tensor)  # the first fits (21 of 21)
+    assert isinstance(results[1], Failed) and isinstance(results[1].error, LimitError)
+    assert "KV cache is full" in str(results[1].error)
+    assert runner.sessions._sessions[SessionId("long")].length == 10

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from meshnet.node.scheduler import Failed, Scheduler, Waiting, due, plan_round
 
 D, L, H = Waiting("decode"), Waiting("logits"), Waiting(None, tokens=128)  # heavy: a chunk
+C = Waiting("decode", tokens=100)  # a prefill chunk of the decoding key's shard
 
 
 @pytest.mark.parametrize(
@@ -25,13 +26,17 @@ D, L, H = Waiting("decode"), Waiting("logits"), Waiting(None, tokens=128)  # hea
         ([D, D, D], 8, [[0, 1, 2]]),
         ([D, L, D, L], 8, [[0, 2], [1, 3]]),  # one call per key, in order of first arrival
         ([D, D, D], 2, [[0, 1]]),  # the overflow waits for the next round
-        ([H, D, H, D], 8, [[1, 3], [0]]),  # decode steps first, then one chunk, oldest first
+        ([H, D, H, D], 8, [[1, 3], [0]]),  # keyless chunks: last, one a round, oldest first
         ([Waiting(None), Waiting(None), D], 8, [[0], [1], [2]]),  # keyless calls run alone
         ([H, H, H], 8, [[0]]),
+        ([D, C, D, C], 8, [[0, 1, 2, 3]]),  # chunks of a key ride in its decode call
+        ([C, C, C, D], 8, [[0, 1, 3]]),  # 300 tokens over the cap of 256: the third waits
+        ([Waiting("k", tokens=900), C], 8, [[0]]),  # the oldest chunk goes even when too big
+        ([C, H], 8, [[0]]),  # a keyless chunk only when no other chunk runs
     ],
 )
 def test_plan_round(waiting: list[Waiting], max_batch: int, rounds: list[list[int]]) -> None:
-    assert plan_round(waiting, max_batch) == rounds
+    assert plan_round(waiting, max_batch, max_tokens=256) == rounds
 
 
 def step(member: str, key: str = "k", wait_s: float = 1.0) -> Waiting:
@@ -62,20 +67,21 @@ jobs = st.lists(
 )
 
 
-@given(jobs, st.integers(1, 6))
+@given(jobs, st.integers(1, 6), st.integers(1, 30))
 def test_rounds_run_every_job_once_and_keep_their_limits(
-    waiting: list[Waiting], max_batch: int
+    waiting: list[Waiting], max_batch: int, max_tokens: int
 ) -> None:
     left, runs = list(range(len(waiting))), []
     while left:
-        planned = plan_round([waiting[i] for i in left], max_batch)
+        planned = plan_round([waiting[i] for i in left], max_batch, max_tokens)
         assert planned, "a round with jobs waiting must run something"
         batches = [[left[i] for i in batch] for batch in planned]
-        assert sum(waiting[b[0]].tokens > 1 for b in batches) <= 1  # one heavy job a round
+        chunks = [waiting[i].tokens for b in batches for i in b if waiting[i].tokens > 1]
+        assert len(chunks) <= 1 or sum(chunks) <= max_tokens  # the prefill cap of a round
         for batch in batches:
             assert len(batch) <= max_batch and batch == sorted(batch)
             assert len({waiting[i].key for i in batch}) == 1
-            assert len(batch) == 1 or all(waiting[i].tokens == 1 for i in batch)
+            assert len(batch) == 1 or waiting[batch[0]].key is not None
         runs += [i for b in batches for i in b]
         left = [i for i in left if i not in set(runs)]
     assert sorted(runs) == list(range(len(waiting)))

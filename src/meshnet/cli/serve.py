@@ -109,6 +109,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="decode steps of different sessions run as one pass, up to this many",
     )
     group.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=default.max_batch_tokens,
+        help="prefill tokens of one pass at most (chunks of several prompts share a pass)",
+    )
+    group.add_argument(
         "--batch-wait",
         type=float,
         default=default.batch_wait_s,
@@ -179,6 +185,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "host_turns": args.host_turns,
         "max_batch": args.max_batch,
+        "max_batch_tokens": args.max_batch_tokens,
         "batch_wait_s": args.batch_wait,
     }
 

@@ -23,7 +23,7 @@ from meshnet.client.routes import RouteSource
 from meshnet.client.transport import Hop, Transport
 from meshnet.config import RetryPolicy, WireConfig
 from meshnet.errors import HopError
-from meshnet.node.runner import ShardRunner
+from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import BatchFn, Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.types import ModelId, NodeId, SessionId
@@ -157,7 +157,7 @@ class Pipeline:
         session keeps the sessions in step, so each round batches them all.
         """
         last = not session.hops
-        key = ("local", id(self)) if len(ids) == 1 else None
+        key = ("local", id(self))  # every session's step and prompt may share a pass
         item = (session, ids, pick if last else None)
         try:
             out = await self.executor.submit(
@@ -178,29 +178,33 @@ class Pipeline:
         return out  # type: ignore[no-any-return]
 
     def _run_local_many(self, items: list[LocalStep]) -> list[Any]:
-        """Compute thread: `_run_local` for each item, decode steps of many sessions batched:
-        one pass of the entry's span over their tokens, one head product for their logits."""
-        if len(items) == 1:
-            session, ids, pick = items[0]
-            return [self._run_local(session, torch.tensor([ids]), pick)]
-        frames = [
-            (
-                FrameMeta(session.id, self.model, self.local.span, session.position, 0, 1),
-                self.head.embed_tokens(torch.tensor([ids]), session.position),  # [1, 1, H]
-            )
-            for session, ids, _ in items
-        ]
-        outs: list[Any] = self.local.forward_many(frames)
-        wanted = [
-            i
-            for i, (out, (_, _, pick)) in enumerate(zip(outs, items, strict=True))
-            if pick is not None and not isinstance(out, Failed)
-        ]
+        """Compute thread: `_run_local` for each item, many sessions in one pass: the
+        entry's span over all their tokens (decode steps and prompts), one head product
+        for their logits. A prompt longer than `local_chunk_tokens` runs on its own."""
+        outs: list[Any] = [None] * len(items)
+        packed = [i for i, (_, ids, _) in enumerate(items) if len(ids) <= self.local_chunk_tokens]
+        if len(packed) < 2:
+            packed = []
+        for i, (session, ids, pick) in enumerate(items):
+            if i not in packed:
+                try:
+                    outs[i] = self._run_local(session, torch.tensor([ids]), pick)
+                except Exception as exc:  # that session's request fails, not the others'
+                    outs[i] = Failed(exc)
+        frames = [self._frame(*items[i][:2]) for i in packed]
+        for i, out in zip(packed, self.local.forward_many(frames), strict=True):
+            outs[i] = out
+        wanted = [i for i in packed if items[i][2] is not None and not isinstance(outs[i], Failed)]
         if wanted:
             picked = self._logits_many([(outs[i], items[i][2]) for i in wanted])  # type: ignore[misc]
             for i, result in zip(wanted, picked, strict=True):
                 outs[i] = result
         return outs
+
+    def _frame(self, session: PipelineSession, ids: list[int]) -> Frame:
+        """The entry's own frame for `ids` after the session's tokens: [1, T, H] embedded."""
+        meta = FrameMeta(session.id, self.model, self.local.span, session.position, 0, 1)
+        return meta, self.head.embed_tokens(torch.tensor([ids]), session.position)
 
     def _run_local(
         self, session: PipelineSession, tokens: torch.Tensor, pick: Pick[Any] | None

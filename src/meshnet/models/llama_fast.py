@@ -27,7 +27,7 @@ from meshnet.models import products
 from meshnet.models.cache import SpanCache, StaticKV
 from meshnet.models.llama_graph import DecodeGraph, compiled_decode
 from meshnet.models.products import Product
-from meshnet.models.shard import causal_mask
+from meshnet.models.shard import causal_mask, causal_mask_for
 
 MIN_ROPE_POSITIONS = 256  # positions the rotary table first holds; it doubles when needed
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # one formula (`RMSNorm`)
@@ -152,27 +152,31 @@ class FastSpan:
         kv.length = position + tokens
         return hidden
 
-    def forward_rows(
-        self, hidden: torch.Tensor, caches: list[SpanCache], positions: list[int]
-    ) -> torch.Tensor:
-        """One decode step of B sessions at once: `hidden` [B, 1, H] (compute dtype), row b
-        at `positions[b]` of `caches[b]` -> [B, 1, H]; appends one token to every cache.
+    def forward_many(
+        self, hiddens: list[torch.Tensor], caches: list[SpanCache], positions: list[int]
+    ) -> list[torch.Tensor]:
+        """Several sessions in one pass: `hiddens[b]` [1, T_b, H] (compute dtype) at
+        `positions[b]` of `caches[b]` -> one [1, T_b, H] each; appends to every cache.
 
-        The products run over all rows together (one weight read for B tokens); rotary
-        gathers each row's angles; keys, values and attention stay per session, over each
-        session's own cache (no padding, no copy)."""
-        kvs = [self._static(cache, hidden.dtype, 1) for cache in caches]
+        The tokens of all sessions are packed into one [1, sum T, H] row, so the products
+        (norms, residuals, MLP) read the weights once for all of them: decode steps (T = 1)
+        and prefill chunks alike. Rotary gathers each token's angles; keys, values and
+        attention stay per session, over each session's own cache (no padding, no copy)."""
+        lengths = [int(h.shape[1]) for h in hiddens]
+        x = torch.cat(hiddens, dim=1)  # [1, N, H]
+        kvs = [self._static(c, x.dtype, t) for c, t in zip(caches, lengths, strict=True)]
         assert self.rope is not None  # made by `_static`
-        ends = [p + 1 for p in positions]
-        self.rope.rows(0, max(ends))  # grows the table to cover every row
-        at = torch.tensor(positions)
-        rope = (self.rope.cos[at][:, None, None], self.rope.sin[at][:, None, None])  # [B,1,1,D]
+        ends = [p + t for p, t in zip(positions, lengths, strict=True)]
+        self.rope.rows(0, max(ends))  # grows the table to cover every session
+        at = torch.cat([torch.arange(p, e) for p, e in zip(positions, ends, strict=True)])
+        rope = (self.rope.cos[at], self.rope.sin[at])  # [N, D]: broadcast over [1, heads, N, D]
+        spans = list(zip(positions, lengths, strict=True))
         for i, layer in enumerate(self.layers):
             layer_kv = [(kv.keys[i], kv.values[i]) for kv in kvs]  # [1, kv, cap, D] each
-            hidden = self._layer_rows(layer, hidden, rope, layer_kv, positions)
+            x = self._layer_packed(layer, x, rope, layer_kv, spans)
         for kv, end in zip(kvs, ends, strict=True):
             kv.length = end
-        return hidden
+        return list(torch.split(x, lengths, dim=1))
 
     def _static(self, cache: SpanCache, dtype: torch.dtype, tokens: int) -> StaticKV:
         """`cache`'s static keys and values (made on first use), with room for `tokens`."""
@@ -183,34 +187,31 @@ class FastSpan:
         cache.static.reserve(tokens)
         return cache.static
 
-    def _layer_rows(
+    def _layer_packed(
         self,
         layer: FusedLayer,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kvs: list[tuple[torch.Tensor, torch.Tensor]],
-        positions: list[int],
+        spans: list[tuple[int, int]],
     ) -> torch.Tensor:
-        """`_layer` for B single-token rows, each row its own session."""
-        batch, width = x.shape[0], (self.heads + self.kv_heads) * self.head_dim
-        qkv = layer.qkv(layer.input_norm(x))  # [B, 1, (heads + 2 kv) D]
-        qk = _rotate(qkv[..., :width].view(batch, -1, 1, self.head_dim), *rope)
-        values = qkv[..., width:].view(batch, -1, 1, self.head_dim)  # [B, kv, 1, D]
-        rows = []
-        for b, ((keys_b, values_b), p) in enumerate(zip(kvs, positions, strict=True)):
-            keys_b[:, :, p : p + 1] = qk[b : b + 1, self.heads :]
-            values_b[:, :, p : p + 1] = values[b : b + 1]
-            rows.append(
-                self._attend(
-                    qk[b : b + 1, : self.heads],
-                    keys_b[:, :, : p + 1],
-                    values_b[:, :, : p + 1],
-                    None,
-                    p,
-                )
-            )
-        attended = torch.cat(rows)  # [B, heads, 1, D]
-        x = x + layer.o(attended.reshape(batch, 1, -1))
+        """`_layer` for the packed tokens [1, N, H] of several sessions; `spans` gives each
+        session's (position, tokens), in packing order."""
+        tokens, width = x.shape[1], (self.heads + self.kv_heads) * self.head_dim
+        qkv = layer.qkv(layer.input_norm(x))  # [1, N, (heads + 2 kv) D]
+        qk = _rotate(qkv[..., :width].view(1, tokens, -1, self.head_dim).transpose(1, 2), *rope)
+        values = qkv[..., width:].view(1, tokens, -1, self.head_dim).transpose(1, 2)
+        rows, start = [], 0  # [1, heads + kv, N, D] and [1, kv, N, D] above
+        for (keys_b, values_b), (p, t) in zip(kvs, spans, strict=True):
+            mine = slice(start, start + t)
+            keys_b[:, :, p : p + t] = qk[:, self.heads :, mine]
+            values_b[:, :, p : p + t] = values[:, :, mine]
+            mask = causal_mask_for(t, p, x.device)
+            q = qk[:, : self.heads, mine]
+            rows.append(self._attend(q, keys_b[:, :, : p + t], values_b[:, :, : p + t], mask, p))
+            start += t
+        attended = torch.cat(rows, dim=2)  # [1, heads, N, D]
+        x = x + layer.o(attended.transpose(1, 2).reshape(1, tokens, -1))
         gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)
 

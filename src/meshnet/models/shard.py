@@ -19,17 +19,21 @@ def positions_for(hidden: torch.Tensor, position: int) -> torch.Tensor:
 
 
 def causal_mask(hidden: torch.Tensor, position: int) -> torch.Tensor | None:
-    """The SDPA mask for `hidden` [B, T, H] after `position` cached tokens.
+    """The SDPA mask for `hidden` [B, T, H] after `position` cached tokens (`causal_mask_for`)."""
+    return causal_mask_for(hidden.shape[1], position, hidden.device)
+
+
+def causal_mask_for(tokens: int, position: int, device: torch.device) -> torch.Tensor | None:
+    """The SDPA mask for `tokens` new tokens after `position` cached ones.
 
     None when SDPA's own `is_causal` is right: a single token (sees everything cached) or an
     empty cache. A chunk after cached tokens needs an explicit `[1, 1, T, position + T]` bool
     mask (True = attend): `is_causal` would align the triangle to the wrong corner.
     """
-    tokens = hidden.shape[1]
     if tokens == 1 or position == 0:
         return None
-    keys = torch.arange(position + tokens, device=hidden.device)
-    queries = torch.arange(position, position + tokens, device=hidden.device)
+    keys = torch.arange(position + tokens, device=device)
+    queries = torch.arange(position, position + tokens, device=device)
     return (keys[None, :] <= queries[:, None])[None, None]
 
 
@@ -60,23 +64,21 @@ class Shard:
 
     @property
     def batches(self) -> bool:
-        """Whether `forward_rows` runs its rows as one pass (the fast path), not one by one."""
+        """Whether `forward_many` runs its sessions as one pass (the fast path)."""
         return self.fast is not None
 
     @torch.inference_mode()
-    def forward_rows(
-        self, hidden: torch.Tensor, caches: list[Any], positions: list[int]
-    ) -> torch.Tensor:
-        """One decode step of B sessions: `hidden` [B, 1, H], row b at `positions[b]` of
-        `caches[b]` -> [B, 1, H] bf16. Rows are independent: each attends over its own cache."""
-        x = hidden.to(self.compute_dtype)
-        if self.fast is not None:
-            return self.fast.forward_rows(x, caches, positions).to(torch.bfloat16)  # type: ignore[no-any-return]
-        rows = [
-            self.forward(x[b : b + 1], c, p)
-            for b, (c, p) in enumerate(zip(caches, positions, strict=True))
-        ]
-        return torch.cat(rows)
+    def forward_many(
+        self, hiddens: list[torch.Tensor], caches: list[Any], positions: list[int]
+    ) -> list[torch.Tensor]:
+        """Several sessions at once: `hiddens[b]` [1, T_b, H] at `positions[b]` of `caches[b]`
+        -> [1, T_b, H] bf16 each. Sessions are independent: each attends over its own cache.
+        One pass on the fast path; one session after another otherwise."""
+        xs = [h.to(self.compute_dtype) for h in hiddens]
+        if self.fast is None:
+            return [self.forward(*args) for args in zip(xs, caches, positions, strict=True)]
+        outs: list[torch.Tensor] = self.fast.forward_many(xs, caches, positions)
+        return [out.to(torch.bfloat16) for out in outs]
 
     def weight_bytes(self) -> int:
         """Bytes this shard's weights hold (see `held_bytes`)."""

@@ -82,10 +82,13 @@ class NodeService:
         swarm_key: SwarmKey | None = None,
         max_batch: int = 32,
         batch_wait_s: float = 0.01,
+        max_batch_tokens: int = 512,
     ) -> None:
         self.shards = ShardTable(list(runners))
         self.metrics = metrics or Metrics()
-        self.scheduler = Scheduler(turns, max_batch, self.metrics.decode_batch_rows.observe)
+        self.scheduler = Scheduler(
+            turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens
+        )
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
@@ -158,10 +161,11 @@ class NodeService:
     async def run_frame(
         self, runner: ShardRunner, meta: FrameMeta, hidden: torch.Tensor
     ) -> torch.Tensor:
-        """One frame through `runner`: a single token joins the runner's next batch; a
-        prefill chunk runs alone, one per round."""
+        """One frame through `runner`, in one pass with the runner's other frames of the
+        round (decode steps and prefill chunks of other sessions; ADR-0027). A frame of
+        several rows runs alone."""
         tokens = hidden.shape[0] * hidden.shape[1]
-        key = ("frames", id(runner)) if tokens == 1 else None
+        key = ("frames", id(runner)) if hidden.shape[0] == 1 else None
         out: torch.Tensor = await self.scheduler.submit(
             key, runner.forward_many, (meta, hidden), tokens, meta.session, self.batch_wait_s
         )

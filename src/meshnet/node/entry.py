@@ -197,6 +197,7 @@ def entry_service(
         metrics=metrics,
         turns=host_turns(config.host_turns),
         max_batch=config.max_batch,
+        max_batch_tokens=config.max_batch_tokens,
         batch_wait_s=config.batch_wait_s,
         node_id=request.node_id,
         swarm_key=SwarmKey.from_text(access.swarm_key) if access.swarm_key else None,

@@ -69,28 +69,37 @@ def next_due_s(waiting: Sequence[Waiting]) -> float:
     return min((j.since_s + j.wait_s for j in waiting if j.decode), default=0.0)
 
 
-def plan_round(waiting: Sequence[Waiting], max_batch: int) -> list[list[int]]:
-    """The batches of the next round, as indices into `waiting` (oldest first), in order.
+def plan_round(waiting: Sequence[Waiting], max_batch: int, max_tokens: int) -> list[list[int]]:
+    """The calls of the next round, as indices into `waiting` (oldest first), in order.
 
-    Light jobs (one token) with a key are grouped by key, up to `max_batch` a group; light
-    jobs without a key run alone; then the oldest heavy job, alone. Jobs not planned (a second
-    heavy one, a group's overflow) wait for the next round, keeping their place.
+    Jobs with a key are grouped by key, up to `max_batch` a call: decode steps and prefill
+    chunks together, so one weight read serves them all. Prefill tokens are capped per round
+    at `max_tokens` (the oldest chunk always goes): chunks that do not fit, and a key's
+    overflow, wait for the next round, keeping their place. Keyless jobs run alone, a keyless
+    chunk last and only when no other chunk runs.
     """
     groups: dict[Hashable, list[int]] = {}
-    batches: list[list[int]] = []
-    heavy: int | None = None
+    calls: list[list[int]] = []
+    chunk_tokens, keyless_chunk = 0, None
     for index, job in enumerate(waiting):
-        if job.tokens > 1:
-            heavy = index if heavy is None else heavy
-        elif job.key is None:
-            batches.append([index])
-        elif job.key not in groups:
-            groups[job.key] = [index]
-            batches.append(groups[job.key])
-        elif len(groups[job.key]) < max_batch:
-            groups[job.key].append(index)
-    batches.sort(key=lambda batch: batch[0])
-    return batches + ([[heavy]] if heavy is not None else [])
+        heavy = job.tokens > 1
+        if heavy and chunk_tokens and chunk_tokens + job.tokens > max_tokens:
+            continue
+        if job.key is None:
+            if not heavy:
+                calls.append([index])
+            elif keyless_chunk is None and not chunk_tokens:
+                keyless_chunk, chunk_tokens = index, job.tokens
+            continue
+        group = groups.setdefault(job.key, [])
+        if len(group) >= max_batch:
+            continue
+        if not group:
+            calls.append(group)
+        group.append(index)
+        chunk_tokens += job.tokens if heavy else 0
+    calls.sort(key=lambda call: call[0])
+    return calls + ([[keyless_chunk]] if keyless_chunk is not None else [])
 
 
 @dataclass(frozen=True)
@@ -117,11 +126,13 @@ class Scheduler:
         turns: HostTurns | None = None,
         max_batch: int = 32,
         on_decode: Callable[[int], object] = lambda rows: None,
+        max_tokens: int = 512,
     ) -> None:
         self.worker = compute_executor()
-        self.on_decode = on_decode  # gets the size of every decode call (a metric)
+        self.on_decode = on_decode  # gets the number of decode steps of every call (a metric)
         self.turns = turns or HostTurns()  # compute turns shared with co-located processes
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # jobs of one call
+        self.max_tokens = max_tokens  # prefill tokens of one round
         self.batch_sizes: list[int] = []  # of the last batched calls (observability, tests)
         self._rounds_s: list[float] = []  # wall seconds of the last decode rounds
         self._members: dict[Hashable, set[Hashable]] = {}  # key -> its last round's members
@@ -178,22 +189,17 @@ class Scheduler:
         while self._queue:
             self._queue = [j for j in self._queue if not j.future.done()]  # callers gone
             waiting = [j.waiting for j in self._queue]
-            ready = [
-                j
-                for j, ok in zip(self._queue, due(waiting, self._members, loop.time()), strict=True)
-                if ok
-            ]
+            flags = due(waiting, self._members, loop.time())
+            ready = [job for job, ok in zip(self._queue, flags, strict=True) if ok]
             if not ready:
                 await self._arrival(next_due_s(waiting) - loop.time())
                 continue
-            batches = [
-                [ready[i] for i in b]
-                for b in plan_round([j.waiting for j in ready], self.max_batch)
-            ]
-            planned = {id(job) for batch in batches for job in batch}
+            plan = plan_round([j.waiting for j in ready], self.max_batch, self.max_tokens)
+            calls = [[ready[i] for i in call] for call in plan]
+            planned = {id(job) for call in calls for job in call}
             self._queue = [j for j in self._queue if id(j) not in planned]
-            for batch in batches:
-                await self._run_batch(loop, batch)
+            for call in calls:
+                await self._run_batch(loop, call)
 
     async def _arrival(self, timeout_s: float) -> None:
         """Until a job is submitted, or `timeout_s` passes."""
@@ -204,15 +210,15 @@ class Scheduler:
             return
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, group: list[_Job]) -> None:
-        decode = group[0].waiting.decode
-        if decode:
-            self._members[group[0].waiting.key] = {j.waiting.member for j in group} - {None}
-            self.on_decode(len(group))
+        steps = [j for j in group if j.waiting.decode]
+        if steps:
+            self._members[group[0].waiting.key] = {j.waiting.member for j in steps} - {None}
+            self.on_decode(len(steps))
         if len(group) > 1:
             self.batch_sizes = [*self.batch_sizes[-63:], len(group)]
         started = loop.time()
         results = await loop.run_in_executor(self.worker, self._run, group)
-        if decode:
+        if steps and len(steps) == len(group):  # a pure decode round: its time is a step's
             self._rounds_s = [*self._rounds_s[-31:], loop.time() - started]
         for job, result in zip(group, results, strict=True):
             _settle(job.future, result)

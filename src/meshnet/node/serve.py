@@ -105,6 +105,7 @@ def build_app(config: NodeConfig, access: AccessConfig) -> Starlette:
         config.max_sessions,
         turns=host_turns(config.host_turns),
         max_batch=config.max_batch,
+        max_batch_tokens=config.max_batch_tokens,
         batch_wait_s=config.batch_wait_s,
         node_id=request.node_id,
     )

@@ -98,13 +98,18 @@ class SessionStore:
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 
     def checkout(
-        self, meta: FrameMeta, tokens: int = 1, keep: AbstractSet[SessionId] = frozenset()
+        self,
+        meta: FrameMeta,
+        tokens: int = 1,
+        keep: AbstractSet[SessionId] = frozenset(),
+        pending_bytes: int = 0,
     ) -> tuple[Session, ChunkState]:
         """The session `meta` continues (new at position 0), and its chunk state after it.
 
         Refuses (changing nothing) a call that does not continue the cache exactly, or whose
         `tokens` new tokens would not fit the memory cap. Sessions in `keep` (checked out for
-        the same batch) are never evicted to make room.
+        the same batch) are never evicted to make room, and `pending_bytes` (what they will
+        add) counts as used.
         """
         self.expire()
         session = self._sessions.get(meta.session)
@@ -124,16 +129,21 @@ class SessionStore:
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
-        self._reserve(meta.session, session, tokens, keep)
+        self._reserve(meta.session, session, tokens, keep, pending_bytes)
         return session, chunks
 
     def _reserve(
-        self, sid: SessionId, session: Session, tokens: int, keep: AbstractSet[SessionId]
+        self,
+        sid: SessionId,
+        session: Session,
+        tokens: int,
+        keep: AbstractSet[SessionId],
+        pending_bytes: int,
     ) -> None:
         """Make room for `tokens` more of `session`, evicting idle sessions, or refuse (429)."""
         need = self.bytes_per_token * (session.length + tokens) - session.cache_bytes
         others = {k: s for k, s in self._sessions.items() if k != sid}
-        used = sum(s.cache_bytes for s in others.values())
+        used = sum(s.cache_bytes for s in others.values()) + pending_bytes
         now = self.clock()
         idle = {k: (s.cache_bytes, now - s.last_used_s) for k, s in others.items() if k not in keep}
         victims = make_room(

@@ -54,18 +54,19 @@ class TorchShardRunner:
         return out
 
     def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
-        """Decode steps of many sessions as one batched pass (`Shard.forward_rows`).
+        """Frames of many sessions (decode steps, prefill chunks) as one pass
+        (`Shard.forward_many`).
 
         Each frame is checked and checked out alone (a refused one gets its error); the
-        rest run together. A row that comes out non-finite fails alone, its cache rolled
-        back; should the batch itself raise, every frame runs again on its own.
+        rest run together. A session whose output is non-finite fails alone, its cache
+        rolled back; should the pass itself raise, every frame runs again on its own.
         """
         if len(frames) == 1 or not self.shard.batches:
             return one_by_one(self.forward, frames)
         results: list[torch.Tensor | Failed | None] = [None] * len(frames)
         ready = self._checkout_all(frames, results)
         if ready:
-            self._run_rows(frames, ready, results)
+            self._run_packed(frames, ready, results)
         return [r if r is not None else Failed(RuntimeError("frame not run")) for r in results]
 
     def _checkout_all(
@@ -73,6 +74,7 @@ class TorchShardRunner:
     ) -> list[Ready]:
         ready: list[Ready] = []
         busy: set[SessionId] = set()
+        pending = 0  # tokens the frames checked out so far will add
         for index, (meta, hidden) in enumerate(frames):
             try:
                 if meta.session in busy:
@@ -81,47 +83,53 @@ class TorchShardRunner:
                         f"last one answered",
                         field=h.POSITION,
                     )
-                if hidden.shape[:2] != (1, 1):
-                    raise WireError("a batched frame holds one token of one row", field=h.SHAPE)
-                session, chunks = self._checkout(meta, hidden, busy)
+                if hidden.shape[0] != 1:
+                    raise WireError("a batched frame holds one row", field=h.SHAPE)
+                extra = pending * self.sessions.bytes_per_token
+                session, chunks = self._checkout(meta, hidden, busy, extra)
             except Exception as exc:  # refused alone: the frame's own request gets it
                 results[index] = Failed(exc)
                 continue
             busy.add(meta.session)
+            pending += hidden.shape[1]
             ready.append((index, meta, session, chunks))
         return ready
 
-    def _run_rows(
+    def _run_packed(
         self,
         frames: list[Frame],
         ready: list[Ready],
         results: list[torch.Tensor | Failed | None],
     ) -> None:
-        hidden = torch.cat([frames[i][1] for i, *_ in ready])  # [B, 1, H]
+        hiddens = [frames[i][1] for i, *_ in ready]  # [1, T, H] each
         caches = [session.cache for _, _, session, _ in ready]
         try:
-            out = self.shard.forward_rows(hidden, caches, [m.position for _, m, _, _ in ready])
-        except Exception:  # the batch as a whole: undo it, then each frame alone
+            outs = self.shard.forward_many(hiddens, caches, [m.position for _, m, _, _ in ready])
+        except Exception:  # the pass as a whole: undo it, then each frame alone
             for _, _, session, _ in ready:
                 truncate(session.cache, session.length)
             for index, *_ in ready:
                 results[index] = one_by_one(self.forward, [frames[index]])[0]
             return
-        for row, (index, meta, session, chunks) in enumerate(ready):
+        for out, (index, meta, session, chunks) in zip(outs, ready, strict=True):
             try:
-                _require_finite_output(meta, out[row : row + 1])
+                _require_finite_output(meta, out)
             except ComputeError as exc:
                 truncate(session.cache, session.length)
                 results[index] = Failed(exc)
                 continue
-            self.sessions.commit(meta.session, session, 1, chunks)
-            results[index] = out[row : row + 1]
+            self.sessions.commit(meta.session, session, out.shape[1], chunks)
+            results[index] = out
 
     def _checkout(
-        self, meta: FrameMeta, hidden: torch.Tensor, busy: AbstractSet[SessionId] = frozenset()
+        self,
+        meta: FrameMeta,
+        hidden: torch.Tensor,
+        busy: AbstractSet[SessionId] = frozenset(),
+        pending_bytes: int = 0,
     ) -> tuple[Session, ChunkState]:
         self._check(meta, hidden)
-        session, chunks = self.sessions.checkout(meta, hidden.shape[1], keep=busy)
+        session, chunks = self.sessions.checkout(meta, hidden.shape[1], busy, pending_bytes)
         if session.length and session.batch != hidden.shape[0]:
             raise WireError(
                 f"session {meta.session} has batch {session.batch}, not {hidden.shape[0]}",
