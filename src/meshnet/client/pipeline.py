@@ -39,8 +39,8 @@ LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None"]
 class Executor(Protocol):
     """Runs model work on the process's compute thread (the node's `NodeService` is one)."""
 
-    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
-        """Run `fn(*args)` on the compute thread; calls of one `group` share a hand-off."""
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` alone on the compute thread."""
         ...
 
     async def submit(

@@ -109,13 +109,13 @@ class NodeService:
     def session_count(self) -> int:
         return self.shards.session_count()
 
-    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the compute thread, between the scheduler's batches.
 
         Never on the event loop's thread: a hand-off costs ~0.2 ms, a second thread running
         torch ops costs a decode step 12+ ms (`node/compute.py`).
         """
-        return await self.scheduler.call(fn, *args, group=group)
+        return await self.scheduler.call(fn, *args)
 
     async def submit(
         self,

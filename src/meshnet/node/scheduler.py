@@ -154,10 +154,9 @@ class Scheduler:
         for members in self._members.values():
             members.discard(member)
 
-    async def call(self, fn: Callable[..., T], *args: object, group: Hashable = None) -> T:
-        """`fn(*args)` on the compute thread. Calls of one `group` queued together run back
-        to back in one hand-off (each its own call, failing alone)."""
-        return await self.submit(group, _each(fn), args)  # type: ignore[no-any-return]
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the compute thread, alone (between the rounds' batches)."""
+        return await self.submit(None, _alone(fn), args)  # type: ignore[no-any-return]
 
     async def submit(
         self,
@@ -236,17 +235,12 @@ class Scheduler:
         return results
 
 
-def _each(fn: Callable[..., Any]) -> BatchFn:
-    """A batch function running `fn(*args)` for each item alone."""
+def _alone(fn: Callable[..., Any]) -> BatchFn:
+    """The batch function of a keyless job: `fn(*args)` for its one item."""
 
     def run(items: list[Any]) -> list[Any]:
-        results: list[Any] = []
-        for args in items:
-            try:
-                results.append(fn(*args))
-            except Exception as exc:  # one call's failure is its caller's, not the group's
-                results.append(Failed(exc))
-        return results
+        (args,) = items
+        return [fn(*args)]
 
     return run
 
