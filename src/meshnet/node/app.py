@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from starlette.applications import Starlette
@@ -30,7 +30,7 @@ from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.compute import HostTurns
 from meshnet.node.outbox import Outbox
 from meshnet.node.runner import ShardRunner
-from meshnet.node.scheduler import BatchFn, Scheduler
+from meshnet.node.scheduler import Scheduler
 from meshnet.node.shards import ShardTable
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
@@ -89,6 +89,7 @@ class NodeService:
         self.scheduler = Scheduler(
             turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens
         )
+        self.submit = self.scheduler.submit  # batched model work (the pipeline's `Executor`)
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
@@ -116,18 +117,6 @@ class NodeService:
         torch ops costs a decode step 12+ ms (`node/compute.py`).
         """
         return await self.scheduler.call(fn, *args)
-
-    async def submit(
-        self,
-        key: Hashable | None,
-        run: BatchFn,
-        item: Any,
-        tokens: int = 1,
-        member: Hashable = None,
-        wait_s: float = 0.0,
-    ) -> Any:
-        """Batched model work (`Scheduler.submit`)."""
-        return await self.scheduler.submit(key, run, item, tokens, member, wait_s)
 
     def forget(self, session: SessionId) -> None:
         """A closed session: no batch waits for it (`Scheduler.forget`)."""
