@@ -64,8 +64,8 @@ def test_a_turn_waits_at_most_stale_s_for_a_lock_held_by_a_stopped_process(
     tmp_path: Path,
 ) -> None:
     """Another holder that never lets go (a SIGSTOPped node mid-turn): the turn runs after
-    `stale_s` without the lock; once the holder lets go, turns hold the lock again and the
-    abandoned wait does not leave it taken."""
+    `stale_s` without the lock, later ones at once; once the holder lets go, turns hold the
+    lock again and the abandoned wait does not leave it taken."""
     import fcntl
     import os
 
@@ -76,6 +76,9 @@ def test_a_turn_waits_at_most_stale_s_for_a_lock_held_by_a_stopped_process(
     started = time.perf_counter()
     assert turns.run(lambda: 7) == 7
     assert 0.2 <= time.perf_counter() - started < 1.0 and turns.skipped == 1
+    started = time.perf_counter()  # while the same holder keeps it, turns do not wait at all
+    assert [turns.run(lambda: 1) for _ in range(5)] == [1] * 5
+    assert time.perf_counter() - started < 0.1 and turns.skipped == 6
     fcntl.flock(other, fcntl.LOCK_UN)
     time.sleep(0.05)  # the helper takes the lock for the abandoned turn, then lets it go
 
@@ -87,6 +90,6 @@ def test_a_turn_waits_at_most_stale_s_for_a_lock_held_by_a_stopped_process(
         fcntl.flock(other, fcntl.LOCK_UN)
         return False
 
-    assert turns.run(holds_it) and turns.skipped == 1  # this turn holds the lock
+    assert turns.run(holds_it) and turns.skipped == 6  # this turn holds the lock
     assert not holds_it()  # and nobody holds it after
     os.close(other)

@@ -69,8 +69,9 @@ class HostTurns:
 
     A turn waits at most `stale_s` for the lock, then runs without it (logged): a process
     stopped while holding it (SIGSTOP, a debugger) must not freeze every other one on the
-    host. A blocking `flock` cannot time out, so a helper thread takes the lock for the
-    compute thread and hands it over, or lets it go again if the compute thread gave up.
+    host. Until that holder lets go, later turns do not wait at all. A blocking `flock`
+    cannot time out, so a helper thread takes the lock for the compute thread and hands it
+    over, or lets it go again if the compute thread gave up.
     """
 
     def __init__(self, path: Path | None = None, stale_s: float = 1.0) -> None:
@@ -79,6 +80,7 @@ class HostTurns:
         self.skipped = 0  # turns that ran without the lock
         self._fd: int | None = None
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._stuck = threading.Event()  # a holder kept the lock past `stale_s`; not back yet
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` in this process's turn (on the compute thread)."""
@@ -98,12 +100,15 @@ class HostTurns:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the common case: free
             return True
         except BlockingIOError:
-            pass
+            if self._stuck.is_set():  # the holder that kept it is still holding it
+                self.skipped += 1
+                return False
         request = _Request()
         self._requests.put(request)
         if request.granted.wait(self.stale_s) or not request.give_up():
             return True
         self.skipped += 1
+        self._stuck.set()
         log.warning(
             "another meshnet process has held the compute lock %s for over %.1f s (stopped?); "
             "computing without it",
@@ -127,6 +132,7 @@ class HostTurns:
             fcntl.flock(self._fd_for_lock(), fcntl.LOCK_EX)
             if not request.hand_over():
                 fcntl.flock(self._fd_for_lock(), fcntl.LOCK_UN)
+                self._stuck.clear()  # the stuck holder let go: turns wait for the lock again
 
 
 class _Request:
