@@ -74,7 +74,7 @@ class HostTurns:
     over, or lets it go again if the compute thread gave up.
     """
 
-    def __init__(self, path: Path | None = None, stale_s: float = 1.0) -> None:
+    def __init__(self, path: Path | None = None, stale_s: float = 0.5) -> None:
         self.path = path
         self.stale_s = stale_s
         self.skipped = 0  # turns that ran without the lock
@@ -92,6 +92,7 @@ class HostTurns:
         finally:
             if held:
                 fcntl.flock(self._fd_for_lock(), fcntl.LOCK_UN)
+                os.sched_yield()  # a woken waiter gets its turn before our next one
 
     def _acquire(self) -> bool:
         """Whether this turn holds the lock (False: it waited `stale_s` in vain)."""
