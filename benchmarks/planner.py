@@ -24,6 +24,8 @@ from meshnet.tracker.routing import Server, choose_route
 from meshnet.types import QUANTS, ModelId, NodeId
 
 GB = 10**9
+JSON = {"Content-Type": "application/json"}
+MAX_ROUNDS = 40  # plans carried out one after another until one plans nothing
 # (name, layers, hidden, heads, kv heads, intermediate): public Llama-family shapes
 SHAPES = [
     ("1b", 16, 2048, 32, 8, 8192),
@@ -59,6 +61,14 @@ def nodes(count: int, rng: random.Random) -> list[NodeView]:
     ]
 
 
+def budget_use(models: list[ModelOffer], state: list[NodeView], views: list[NodeView]) -> float:
+    by_model = {m.model: m for m in models}
+    used = sum(
+        len(h.span) * by_model[h.model].layer_bytes[v.quant] for v in state for h in v.holdings
+    )
+    return used / sum(v.budget_bytes for v in views)
+
+
 def median_s(fn: Callable[[], object], repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -78,15 +88,16 @@ def main() -> None:
     models, views = offers(n_models), nodes(n_nodes, rng)
     full_s = median_s(lambda: plan(models, views), repeat)
     state = with_directives(views, plan(models, views))
+    first_use = budget_use(models, state, views)
+    rounds = 1
+    while rounds < MAX_ROUNDS and (directives := plan(models, state)):
+        state, rounds = with_directives(state, directives), rounds + 1
     newcomer = NodeView(NodeId("zz-new"), 24 * GB, "nf4", 1.0)
     join_s = median_s(lambda: plan(models, [*state, newcomer]), repeat)
     leaver = next(v for v in state if v.holdings)
     rest = [v for v in state if v is not leaver]
     leave_s = median_s(lambda: plan(models, rest), repeat)
-    by_model = {m.model: m for m in models}
-    used = sum(
-        len(h.span) * by_model[h.model].layer_bytes[v.quant] for v in state for h in v.holdings
-    )
+    used = budget_use(models, state, views)
     hops = []
     for m in models:
         servers = [
@@ -97,15 +108,116 @@ def main() -> None:
         ]
         hops.append(len(choose_route(m.model, m.num_layers, servers, 0, random.Random(0))))
     print(
-        "| nodes | models | full plan ms | join ms | leave ms | budget used | "
-        "route hops (min / median / max) |"
+        "| nodes | models | full plan ms | join ms | leave ms | budget used after one plan | "
+        "plans to settle | budget used settled | route hops (min / median / max) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     print(
         f"| {n_nodes:,} | {n_models} | {full_s * 1e3:.0f} | {join_s * 1e3:.0f} | "
-        f"{leave_s * 1e3:.0f} | {used / sum(v.budget_bytes for v in views):.1%} | "
+        f"{leave_s * 1e3:.0f} | {first_use:.1%} | {rounds} | {used:.1%} | "
         f"{min(hops)} / {statistics.median(hops):g} / {max(hops)} |"
     )
+    print_heartbeats([200] if args.tiny else [2_000, 10_000], 100 if args.tiny else 1_000)
+
+
+def heartbeat_costs(count: int, beats: int) -> tuple[float, float]:
+    """(registry only, the tracker's whole app) seconds of a heartbeat that changes nothing,
+    with `count` nodes registered and their plan carried out. The app figure runs the
+    tracker's ASGI app in-process (routing, validation, the access guard with a swarm key,
+    JSON both ways; no sockets, no uvicorn), less the client's share measured against an app
+    that only answers."""
+    import asyncio
+
+    import httpx
+
+    from meshnet.config import AccessConfig, TrackerConfig
+    from meshnet.security.signing import Signer
+    from meshnet.tracker import messages as msg
+    from meshnet.tracker.app import create_app
+    from meshnet.tracker.probe import TrustingProber
+    from meshnet.tracker.registry import Registry
+
+    models = offers(4)
+    views = nodes(count, random.Random(1))
+    state = with_directives(views, plan(models, views))
+    registry = Registry(
+        models,
+        {m.model: m.model for m in models},
+        dead_after_s=6.0,
+        clock=lambda: 0.0,
+        max_per_address=count,
+    )
+    for v in state:
+        refs = [msg.ShardRef(model=h.model, span=h.span) for h in v.holdings]
+        registry.register(
+            msg.RegisterRequest(
+                node_id=v.node_id,
+                address=f"http://10.0.{len(registry.nodes) // 250}.1:1",
+                budget_bytes=v.budget_bytes,
+                quant=v.quant,
+                throughput=v.throughput,
+                loaded=refs,
+            )
+        )
+    beats_of = [
+        msg.HeartbeatRequest(
+            node_id=v.node_id, loaded=[msg.ShardRef(model=h.model, span=h.span) for h in v.holdings]
+        )
+        for v in state
+    ]
+    registry.replan()
+    plans = registry.plans
+    direct = median_s(lambda: [registry.heartbeat(b) for b in beats_of[:beats]], 3) / beats
+    assert registry.plans == plans, "a no-op heartbeat planned"
+    key = "k" * 32
+    app = create_app(
+        registry, TrackerConfig(), prober=TrustingProber(), access=AccessConfig(swarm_key=key)
+    )
+
+    async def over_http(target: object) -> float:
+        transport = httpx.ASGITransport(app=target)  # type: ignore[arg-type]
+        auth = Signer(key).auth()
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", auth=auth) as c:
+            bodies = [b.model_dump_json() for b in beats_of[:beats]]
+            start = time.perf_counter()
+            for body in bodies:
+                r = await c.post("/v1/nodes/heartbeat", content=body, headers=JSON)
+                assert r.status_code == 200, r.text
+            return (time.perf_counter() - start) / len(bodies)
+
+    # the client's own share: the same signed calls against an app that only answers
+    client_s = min(asyncio.run(over_http(_answering_app())) for _ in range(3))
+    http_s = min(asyncio.run(over_http(app)) for _ in range(3))
+    return direct, max(http_s - client_s, 0.0)
+
+
+def _answering_app() -> object:
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def answer(request: object) -> JSONResponse:
+        await request.body()  # type: ignore[attr-defined]
+        return JSONResponse({"directives": []})
+
+    return Starlette(routes=[Route("/v1/nodes/heartbeat", answer, methods=["POST"])])
+
+
+def print_heartbeats(sizes: list[int], beats: int) -> None:
+    from meshnet.tracker.registry import BEATS_PER_S, beat_interval_s
+
+    print(
+        "\n| nodes | no-op heartbeat, registry only (us) | the tracker's app, server side (us) "
+        "| one core busy at a beat every 2 s | interval the tracker sets (s) | busy at it |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for count in sizes:
+        direct_s, http_s = heartbeat_costs(count, beats)
+        interval_s = beat_interval_s(count, 2.0, BEATS_PER_S)
+        print(
+            f"| {count:,} | {direct_s * 1e6:.0f} | {http_s * 1e6:.0f} | "
+            f"{count / 2.0 * http_s:.0%} | {interval_s:g} | {count / interval_s * http_s:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ def test_hop_benchmark_prints_round_trips() -> None:
 
 
 def test_planner_benchmark_prints_plan_times() -> None:
-    rows = [line for line in run_tiny("planner.py").splitlines() if line.startswith("| 200")]
-    assert len(rows) == 1 and float(rows[0].split("|")[3]) >= 0
+    rows = [line.split("|") for line in run_tiny("planner.py").splitlines()]
+    plans, beats = (
+        [r for r in rows if r[1:2] == [" 200 "] and len(r) == 11],
+        [r for r in rows if r[1:2] == [" 200 "] and len(r) == 8],
+    )
+    assert len(plans) == 1 and float(plans[0][3]) >= 0  # the full plan's ms
+    assert len(beats) == 1 and 0 < float(beats[0][2]) < 1000  # a no-op heartbeat's us
 
 
 @pytest.mark.slow
@@ -53,9 +58,20 @@ def test_quality_benchmark_prints_perplexities() -> None:
     assert len(rows) == 1 and float(rows[0].split("|")[2]) > 1
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+SCRIPTS = [p.name for p in BENCHMARKS.glob("*.py") if '__name__ == "__main__"' in p.read_text()]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_benchmark_has_a_tiny_mode(name: str) -> None:
     assert "--tiny" in (BENCHMARKS / name).read_text()
+
+
+def test_churn_benchmark_prints_both_planners() -> None:
+    rows = [
+        line.split("|") for line in run_tiny("churn.py").splitlines() if line.startswith("| 60")
+    ]
+    assert [row[2].strip() for row in rows] == ["today", "before #18"]
+    assert all(0 <= float(row[4].strip(" %")) <= 100 for row in rows)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, encode
 from tests.e2e.mesh import API_KEY, HOP_TIMEOUT_S, Mesh
-from tests.e2e.procs import get_json, wait_for
+from tests.e2e.procs import wait_for
 from tests.e2e.streams import busy_spare, chat, reference_text, stream
 
 pytestmark = pytest.mark.slow
@@ -189,28 +189,45 @@ def test_a_draining_node_refuses_new_sessions_and_finishes_its_own(mesh: Mesh) -
     assert process.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
 
 
-def test_losing_the_last_copy_fails_fast_naming_the_layers_then_recovers(mesh: Mesh) -> None:
-    expected = stream(mesh.url, chat(PROMPTS[1])).text
+def test_losing_the_last_copy_the_planner_moves_a_redundant_copy_there(mesh: Mesh) -> None:
+    """Issue #18: with no process restarted, a node holding a redundant copy of 10:20 drops
+    it and loads 20:30, within the dead-node check plus one span load. A request in flight
+    either waits for that (a failover pause, the same answer) or fails fast naming 20:30."""
+    expected = [stream(mesh.url, chat(p)).text for p in PROMPTS[:2]]
     holders = mesh.holders(LayerSpan(20, 30))
     for name in holders[:-1]:  # leave gracefully: only one copy of 20:30 is left
         mesh.procs[name].send_signal(signal.SIGTERM)
         mesh.procs[name].wait(timeout=30)
-    last = holders[-1]
-    timer = threading.Timer(1.0, lambda: mesh.procs[last].send_signal(signal.SIGKILL))
-    timer.start()
+    last, times = holders[-1], {}
+
+    def kill_and_watch() -> None:
+        mesh.procs[last].send_signal(signal.SIGKILL)
+        times["killed"] = time.monotonic()
+        wait_for(lambda: not mesh.coverage()["models"][0]["routable"], 30, "the gap")
+        wait_for(lambda: mesh.coverage()["models"][0]["routable"], 60, "layers 20:30 back")
+        times["routable"] = time.monotonic()
+
+    watcher = threading.Timer(1.0, kill_and_watch)
+    watcher.start()
     sent = time.monotonic()
-    refused = httpx.post(
+    answer = httpx.post(
         f"{mesh.url}/v1/chat/completions",
         json={"model": "default", "temperature": 0, "max_tokens": 48, **chat(PROMPTS[0])},
         timeout=60,
     )
     seconds = time.monotonic() - sent
-    assert refused.status_code == 503, refused.text
-    assert "20:30" in refused.json()["error"]["message"]
-    assert seconds < 10.0
-    mesh.procs[last].wait()
-    assert all(mesh.sessions(name) == 0 for name in mesh.addresses if name not in holders)
-    mesh.restart(last)
-    wait_for(lambda: mesh.coverage()["models"][0]["routable"], 60, "layers 20:30 back")
-    assert stream(mesh.url, chat(PROMPTS[1])).text == expected
-    assert get_json(f"{mesh.url}/v1/coverage")["models"][0]["routable"]
+    if answer.status_code == 200:  # repaired within the entry's retries
+        assert answer.json()["choices"][0]["message"]["content"] == expected[0]
+        assert answer.json()["meshnet"]["failover_pauses_s"]
+    else:
+        assert answer.status_code == 503, answer.text
+        assert "20:30" in answer.json()["error"]["message"] and seconds < 10.0
+    watcher.join()
+    assert mesh.procs[last].poll() is not None
+    repaired_s = times["routable"] - times["killed"]
+    moved = [d for d in mesh.coverage()["recent_directives"] if d["op"] == "DROP_SHARD"]
+    assert moved and "gap 20:30" in moved[-1]["reason"], moved
+    assert mesh.holders(LayerSpan(20, 30)) and mesh.holders(LayerSpan(10, 20))
+    print(f"repaired in {repaired_s:.1f} s without a restart")  # docs/reliability.md
+    assert repaired_s < 30.0  # dead-node check (~1 s here) plus one 10-layer load (~2-5 s)
+    assert stream(mesh.url, chat(PROMPTS[1])).text == expected[1]

@@ -161,14 +161,6 @@ def test_leaving_replans_at_once(mesh: tuple[TestClient, Clock]) -> None:
             "budget_bytes": 1,
             "quant": "fp32",
             "throughput": 1,
-            "loaded": [{"model": "other", "span": {"start": 0, "end": 1}}],
-        },
-        {
-            "node_id": "a",
-            "address": "http://h:1",
-            "budget_bytes": 1,
-            "quant": "fp32",
-            "throughput": 1,
             "loaded": [{"model": "m", "span": {"start": 0, "end": 31}}],
         },
         {
@@ -189,6 +181,23 @@ def test_bad_registrations_are_refused_and_change_nothing(
     assert response.status_code == 400
     assert response.json()["error"]["message"]
     assert client.get("/health").json()["nodes"] == 0
+
+
+def test_p5_spans_of_a_model_no_longer_offered_are_dropped_not_refused(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    client, _ = mesh
+    old = [{"model": "retired", "span": {"start": 0, "end": 4}}]
+    answer = register(client, "a", 400, loaded=old)
+    drops = [d for d in answer["directives"] if d["op"] == "DROP_SHARD"]
+    assert [(d["model"], d["reason"]) for d in drops] == [
+        ("retired", "model retired is no longer offered")
+    ]
+    # still reported while it drops: no second DROP; then gone from its report
+    again = client.post("/v1/nodes/heartbeat", json={"node_id": "a", "loaded": old}).json()
+    assert all(d["op"] != "DROP_SHARD" for d in again["directives"])
+    client.post("/v1/nodes/heartbeat", json={"node_id": "a"})
+    assert client.get("/v1/coverage").json()["nodes"][0]["loaded"] == []
 
 
 def test_openapi_is_served(mesh: tuple[TestClient, Clock]) -> None:
@@ -239,7 +248,6 @@ class RefusingProber:
     [
         ({"models": ["not-offered"]}, "models"),
         ({"loaded": [{"model": "m", "span": {"start": 0, "end": 31}}]}, "span"),
-        ({"loaded": [{"model": "x", "span": {"start": 0, "end": 3}}]}, "model"),
         ({"node_id": "../etc"}, "node_id"),
         ({"throughput": float("inf")}, "throughput"),
         ({"kv_reserve_bytes": 200 * MB}, None),

@@ -80,7 +80,12 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
         "/v1/nodes/register",
         node("entry", 9002, [{"model": "m", "span": {"start": 0, "end": 10}}]),
     )
-    member(url, "/v1/nodes/register", node("fresh", 9003, []))  # told to load the gap 10:20
+    # told to load the gap 10:20, and to drop what it kept of a model no longer offered
+    member(
+        url,
+        "/v1/nodes/register",
+        node("fresh", 9003, [{"model": "retired", "span": {"start": 0, "end": 2}}]),
+    )
     member(
         url,
         "/v1/nodes/heartbeat",
@@ -132,3 +137,4 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
         assert "entry" in request and "13.9" in request and "stop" in request
         directives = page_value(page, "document.querySelector('#directives tbody').textContent")
         assert "LOAD_SHARD" in directives and "closes gap" in directives
+        assert "DROP_SHARD" in directives and "retired is no longer offered" in directives

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +52,7 @@ def test_a_new_node_gets_exactly_the_gap() -> None:
         node("d", 300),
     ]
     directives = plan([offer("m", 30)], nodes)
-    assert loads(directives) == {"d": ("m", LayerSpan(11, 22))}
+    assert loads(directives)["d"] == ("m", LayerSpan(11, 22))
     assert "closes gap 11:22" in directives[0].reason
 
 
@@ -58,7 +60,7 @@ def test_best_fit_prefers_the_smallest_node_that_closes_the_gap() -> None:
     result = loads(plan([offer("m", 10)], [node("big", 500), node("fit", 100), node("x", 50)]))
     assert result["fit"] == ("m", LayerSpan(0, 10))
     assert result["big"] == ("m", LayerSpan(0, 10))  # then a replica: the model is covered
-    assert "x" not in result  # 50 MB holds no copy of the only span
+    assert result["x"] == ("m", LayerSpan(0, 5))  # too small for a copy: half a second chain
 
 
 def test_quantization_changes_how_much_fits() -> None:
@@ -73,15 +75,16 @@ def test_no_redundancy_while_a_gap_remains() -> None:
     assert all(not d.reason.startswith("adds a replica") for d in directives)
 
 
-def test_redundancy_copies_the_least_served_span() -> None:
-    nodes = [
+def test_redundancy_copies_the_least_served_layers() -> None:
+    held = [
         node("a", 100, Holding(M("m"), LayerSpan(0, 5)), throughput=5.0),
         node("b", 100, Holding(M("m"), LayerSpan(5, 10)), throughput=1.0),
-        node("c", 100),
     ]
-    directives = plan([offer("m", 10)], nodes)
-    assert loads(directives) == {"c": ("m", LayerSpan(5, 10))}
-    assert "replica" in directives[0].reason
+    directives = plan([offer("m", 10)], [*held, node("c", 50)])
+    assert loads(directives)["c"] == ("m", LayerSpan(5, 10))  # b is the slower copy
+    assert all("replica" in d.reason for d in directives)
+    # room for the whole model: one copy of all of it, a second chain in one hop
+    assert loads(plan([offer("m", 10)], [*held, node("c", 100)]))["c"] == ("m", LayerSpan(0, 10))
 
 
 def test_failed_loads_go_elsewhere() -> None:
@@ -216,3 +219,126 @@ def test_total_layer_capacity_that_suffices_always_covers(
     directives = plan(offers, views)
     if sum(b // 10 for b in budgets) >= sum(layers):
         assert not uncovered(offers, with_directives(views, directives))
+
+
+def held(name: str, start: int, end: int, budget_mb: int = 100, **kw: object) -> NodeView:
+    return NodeView(
+        NodeId(name),
+        budget_mb * MB,
+        "fp32",
+        1.0,
+        (Holding(M("m"), LayerSpan(start, end)),),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def ops(directives: list[Directive]) -> list[tuple[str, str, str]]:
+    return [(d.op, d.node_id, str(d.span)) for d in directives]
+
+
+def test_p1_a_redundant_copy_is_moved_into_the_gap_a_death_left() -> None:
+    # a 0:10, b 10:20, d a second 0:10, every node full; c (20:30) died
+    nodes = [held("a", 0, 10), held("b", 10, 20), held("d", 0, 10)]
+    directives = plan([offer("m", 30)], nodes)
+    # one of the two copies of 0:10 goes (ties: the lowest id), its node takes the gap
+    assert ops(directives) == [("DROP_SHARD", "a", "0:10"), ("LOAD_SHARD", "a", "20:30")]
+    assert "redundant copy" in directives[0].reason and "gap 20:30" in directives[0].reason
+
+
+def test_p2_free_room_first_then_room_made_by_a_drop() -> None:
+    nodes = [held("a", 0, 10), held("b", 10, 20), held("d", 0, 10, budget_mb=150)]
+    assert ops(plan([offer("m", 30)], nodes)) == [
+        ("LOAD_SHARD", "d", "20:25"),
+        ("DROP_SHARD", "a", "0:10"),
+        ("LOAD_SHARD", "a", "25:30"),
+    ]
+
+
+def test_p3_idle_nodes_too_small_for_a_copy_build_a_second_chain() -> None:
+    nodes = [held("a", 0, 30, budget_mb=300), node("x", 100), node("y", 100), node("z", 100)]
+    chain = sorted(d.span for d in plan([offer("m", 30)], nodes))
+    assert chain == [LayerSpan(0, 10), LayerSpan(10, 20), LayerSpan(20, 30)]
+
+
+def test_p4_no_copies_of_the_entry_span_on_plain_nodes() -> None:
+    mesh = [held("entry", 0, 10, entry=True), held("b", 10, 20), held("c", 20, 30)]
+    assert ops(plan([offer("m", 30)], [*mesh, node("d", 100)])) == [("LOAD_SHARD", "d", "10:20")]
+    # a plain copy of 0:10 from before is dropped, and the node gets useful work
+    directives = plan([offer("m", 30)], [*mesh, held("d", 0, 10)])
+    assert ops(directives) == [("DROP_SHARD", "d", "0:10"), ("LOAD_SHARD", "d", "10:20")]
+    assert "routes start after" in directives[0].reason
+    # two entries: neither head span is ever dropped to make room, though one is redundant
+    entries = [held("e1", 0, 10, entry=True), held("e2", 0, 10, entry=True), held("b", 10, 20)]
+    assert plan([offer("m", 30)], entries) == []
+    # an entry node may copy the head span (it runs the head itself)
+    extra = NodeView(NodeId("e2"), 100 * MB, "fp32", 1.0, entry=True)
+    assert loads(plan([offer("m", 30)], [*mesh, extra]))["e2"] == ("m", LayerSpan(0, 10))
+
+
+def test_p6_a_node_smaller_than_every_span_gets_a_finer_one() -> None:
+    mesh = [held("a", 0, 10), held("b", 10, 20), held("c", 20, 30)]
+    assert ops(plan([offer("m", 30)], [*mesh, node("d", 90)])) == [("LOAD_SHARD", "d", "0:9")]
+
+
+def test_the_last_copy_and_copies_a_chain_needs_are_never_dropped() -> None:
+    # 0:10 and 10:20 once each, 20:30 missing, nothing redundant: the gap stays
+    nodes = [held("a", 0, 10), held("b", 10, 20)]
+    assert plan([offer("m", 30)], nodes) == []
+
+
+def test_a_copy_serving_sessions_stays_until_the_other_copy_is_loaded() -> None:
+    loading_a = NodeView(
+        NodeId("a"), 100 * MB, "fp32", 1.0, (Holding(M("m"), LayerSpan(0, 10), loaded=False),)
+    )
+    serving_d = [loading_a, held("b", 10, 20), held("d", 0, 10, sessions=2)]
+    # d's sessions would have nowhere to go: a drops its own copy, still loading, instead
+    assert ops(plan([offer("m", 30)], serving_d))[0] == ("DROP_SHARD", "a", "0:10")
+    # a cannot take the gap (its load of it failed): d's copy still stays
+    stuck_a = replace(loading_a, failed=frozenset({(M("m"), LayerSpan(20, 30))}))
+    assert plan([offer("m", 30)], [stuck_a, *serving_d[1:]]) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(models=models_st, nodes=nodes_st, victim=st.integers(0, 11))
+def test_carried_out_plans_converge_without_flapping(
+    models: list[tuple[int, int]], nodes: list[tuple[int, str, float]], victim: int
+) -> None:
+    """Plans carried out (loads done) and replanned: no DROP once chains exist, no layer
+    loses its last copy, and within a few rounds nothing is left to do."""
+    offers, views = build(models, nodes)
+    smallest = min(b for o in offers for b in o.layer_bytes.values())
+    rounds = sum(n.budget_bytes // smallest for n in views) + 2  # each round adds a layer
+    for _ in range(rounds):
+        directives = plan(offers, views)
+        before = uncovered(offers, views)
+        after = with_directives(views, directives)
+        assert lost_nothing(offers, views, after)
+        if not before and all(first_break_free(offers, views)):
+            assert all(d.op == "LOAD_SHARD" for d in directives)
+        if not directives:
+            break
+        views = after
+    else:
+        raise AssertionError("plans did not converge")
+    survivors = [n for i, n in enumerate(views) if i != victim % len(views)]
+    for d in plan(offers, survivors):  # after a death only redundant copies move
+        assert d.op == "LOAD_SHARD" or "redundant" in d.reason
+
+
+def lost_nothing(offers: list[ModelOffer], before: list[NodeView], after: list[NodeView]) -> bool:
+    """No layer covered before is uncovered after."""
+
+    def covered(model: ModelId, nodes: list[NodeView]) -> set[int]:
+        return {i for n in nodes for h in n.holdings if h.model == model for i in h.span}
+
+    return all(covered(o.model, before) <= covered(o.model, after) for o in offers)
+
+
+def first_break_free(offers: list[ModelOffer], nodes: list[NodeView]) -> list[bool]:
+    from meshnet.tracker.layout import first_break
+
+    return [
+        first_break(o.num_layers, [h.span for n in nodes for h in n.holdings if h.model == o.model])
+        is None
+        for o in offers
+    ]

@@ -71,6 +71,18 @@ def add_tracker_command(sub: Any) -> None:
         help="seconds without a heartbeat before a node counts as dead",
     )
     tracker.add_argument(
+        "--max-nodes",
+        type=int,
+        default=default.max_nodes,
+        help="nodes the tracker holds at most; more registrations get 429",
+    )
+    tracker.add_argument(
+        "--max-nodes-per-address",
+        type=int,
+        default=default.max_nodes_per_address,
+        help="nodes registered from one address at most",
+    )
+    tracker.add_argument(
         "--layers", help="serve layers 'start:end' of the first model here (start must be 0)"
     )
     tracker.add_argument(
@@ -201,6 +213,8 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
         port=args.port,
         heartbeat_interval_s=args.heartbeat_interval,
         dead_after_s=args.dead_after,
+        max_nodes=args.max_nodes,
+        max_nodes_per_address=args.max_nodes_per_address,
     )
 
 

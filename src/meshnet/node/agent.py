@@ -128,7 +128,10 @@ class NodeAgent:
             return
         _check(response, "heartbeat")
         self.failed = []
-        self._apply(msg.HeartbeatResponse.model_validate(response.json()).directives)
+        answer = msg.HeartbeatResponse.model_validate(response.json())
+        if answer.heartbeat_interval_s:  # a big mesh stretches everyone's interval
+            self.interval_s = answer.heartbeat_interval_s
+        self._apply(answer.directives)
 
     async def _register(self) -> None:
         request = self.registration.model_copy(update={"loaded": self.loaded()})

@@ -218,6 +218,7 @@ def build_entry_app(
     span = entry_span(config)
     model = load_entry_model(config, span)
     request = registration(replace(config, budget_bytes=entry_budget(config, span)))
+    request = request.model_copy(update={"entry": True})
     service = entry_service(config, model, request, access)
     transport = HttpTransport(
         service.wire,
@@ -264,6 +265,7 @@ def build_tracker_node_app(
     span = entry_span(node)
     model = load_entry_model(node, span)
     request = registration(replace(node, budget_bytes=entry_budget(node, span)))
+    request = request.model_copy(update={"entry": True})
     service = entry_service(node, model, request, access, registry.metrics)
     rules = [*node_rules(service.limits), *api_rules(limits)]
     prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)

@@ -13,7 +13,7 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from starlette.responses import FileResponse
 from starlette.staticfiles import StaticFiles
 
@@ -74,20 +74,24 @@ def create_app(
     app.add_middleware(WireVersionHeader)
 
     @app.post("/v1/nodes/register")
-    async def register(request: msg.RegisterRequest) -> msg.RegisterResponse:
+    async def register(request: msg.RegisterRequest, http: Request) -> msg.RegisterResponse:
         registry.validate(request)  # refuse what we would not count before probing
         await prober.probe(request.node_id, request.address)
-        directives = registry.register(request)
+        peer = http.client.host if http.client else None
+        directives = registry.register(request, peer)
         return msg.RegisterResponse(
             node_id=request.node_id,
-            heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_interval_s=registry.interval_s,
             directives=[registry.to_message(d) for d in directives],
         )
 
     @app.post("/v1/nodes/heartbeat")
     def heartbeat(beat: msg.HeartbeatRequest) -> msg.HeartbeatResponse:
         directives = registry.heartbeat(beat)
-        return msg.HeartbeatResponse(directives=[registry.to_message(d) for d in directives])
+        return msg.HeartbeatResponse(
+            directives=[registry.to_message(d) for d in directives],
+            heartbeat_interval_s=registry.interval_s,
+        )
 
     @app.post("/v1/nodes/leave")
     def leave(request: msg.LeaveRequest) -> dict[str, bool]:

@@ -55,6 +55,7 @@ class RegisterRequest(Message):
     quant: Quant
     throughput: float = Field(gt=0, le=1e12, allow_inf_nan=False)  # measured at start-up
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
+    entry: bool = False  # it serves clients: its spans from layer 0 run with the head
 
     @model_validator(mode="after")
     def _reserve_within_budget(self) -> RegisterRequest:
@@ -97,6 +98,7 @@ class HeartbeatRequest(Message):
 
 class HeartbeatResponse(Message):
     directives: list[DirectiveMessage]
+    heartbeat_interval_s: float | None = None  # the interval from now on (None: unchanged)
 
 
 class LeaveRequest(Message):

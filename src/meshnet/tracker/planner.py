@@ -1,105 +1,114 @@
-"""Shard assignment: a pure function from (models, nodes) to rebalance directives.
+"""Shard assignment: a pure function from (models, nodes) to rebalance directives (ADR-0009).
 
-Coverage first: while any layer of any offered model has no node (loaded or loading), every
-assignment closes a gap. Only when every model is covered do idle nodes add redundancy, each
-copying an existing span exactly (so every replica is a drop-in hop of the same chain) where
-serving capacity per layer is lowest. Budgets are never over-committed. Same input, same plan.
+1. Holdings of models no longer offered are dropped, and so are non-entry copies of an entry's
+   head span (no route starts there), when other copies keep every layer.
+2. Coverage first: every gap of every model is closed from free budget, idle nodes first.
+3. Repair: while a model has no chain from layer 0 to its last layer, the break is closed
+   from free budget, else on nodes that drop redundant copies to make room; never the last
+   copy of a layer, never a copy some chain needs.
+4. Only when every model has a chain, idle nodes add redundancy where it is weakest
+   (`replicas.level`), in spans that line up with the chains, finer for small nodes.
+
+Budgets are never over-committed; same input, same plan. A mesh whose plan was carried out
+plans nothing new but work for nodes that are still idle: no move without a reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
+from meshnet.tracker import repair, replicas
+from meshnet.tracker.layout import (
+    Directive,
+    Holding,
+    Layout,
+    ModelOffer,
+    NodeView,
+    first_break,
+)
 from meshnet.types import LayerSpan, ModelId, NodeId
 
-
-@dataclass(frozen=True)
-class ModelOffer:
-    """A model the tracker offers: its depth and bytes per layer at each quantization."""
-
-    model: ModelId
-    num_layers: int
-    layer_bytes: Mapping[str, int]  # quant -> bytes of one layer's weights
-
-
-@dataclass(frozen=True)
-class Holding:
-    """A span a node serves (`loaded`) or was told to load."""
-
-    model: ModelId
-    span: LayerSpan
-    loaded: bool = True
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """What the planner knows of a node."""
-
-    node_id: NodeId
-    budget_bytes: int  # for weights, after the node's KV-cache reserve
-    quant: str
-    throughput: float  # relative speed; higher is faster
-    holdings: tuple[Holding, ...] = ()
-    models: frozenset[ModelId] | None = None  # None: any offered model
-    failed: frozenset[tuple[ModelId, LayerSpan]] = field(default_factory=frozenset)
-
-
-@dataclass(frozen=True)
-class Directive:
-    """`LOAD_SHARD` or `DROP_SHARD` for one node, with the reason shown to operators."""
-
-    op: str
-    node_id: NodeId
-    model: ModelId
-    span: LayerSpan
-    reason: str
+__all__ = ["Directive", "Holding", "ModelOffer", "NodeView", "gaps", "plan", "with_directives"]
 
 
 def plan(models: Sequence[ModelOffer], nodes: Sequence[NodeView]) -> list[Directive]:
-    """The directives that move `nodes` towards full coverage, then redundancy."""
-    offers = {m.model: m for m in models}
-    nodes = sorted(nodes, key=lambda n: n.node_id)
-    free = {n.node_id: n.budget_bytes - _used(n, offers) for n in nodes}
-    holders = _holders(nodes, offers)
-    directives = _drops(nodes, offers, holders)
-    for offer in sorted(models, key=lambda m: m.model):
-        for gap in gaps(offer.num_layers, holders.get(offer.model, [])):
-            directives += _fill(offer, gap, nodes, free, holders)
-    if not any(gaps(m.num_layers, holders.get(m.model, [])) for m in models):
-        taken = {d.node_id for d in directives}
-        idle = [n for n in nodes if not n.holdings and n.node_id not in taken]
-        directives += _replicate(offers, idle, free, holders)
-    return directives
+    """The directives that move `nodes` towards chains for every model, then redundancy."""
+    offers = {m.model: m for m in sorted(models, key=lambda m: m.model)}
+    layout = Layout(offers, nodes)
+    _drop_unoffered(layout)
+    for offer in offers.values():
+        for gap in gaps(offer.num_layers, [(s, 1.0) for s in layout.spans(offer.model)]):
+            repair.fill(layout, offer, gap, f"closes gap {gap} of {offer.model}")
+    broken = [o for o in offers.values() if not _repair(layout, o)]
+    if not broken:
+        _drop_head_copies(layout)
+        replicas.level(layout)
+    return layout.directives
+
+
+def _repair(layout: Layout, offer: ModelOffer) -> bool:
+    """Close the breaks in `offer`'s chains; True when a chain runs through all its layers."""
+    for _ in range(offer.num_layers):  # each round places at least one layer, or stops
+        hole = first_break(offer.num_layers, layout.spans(offer.model))
+        if hole is None:
+            return True
+        reason = f"closes gap {hole} of {offer.model}"
+        if not repair.fill(layout, offer, hole, reason) and not repair.reclaim(
+            layout, offer, hole, reason
+        ):
+            return False
+    return first_break(offer.num_layers, layout.spans(offer.model)) is None
+
+
+def _drop_unoffered(layout: Layout) -> None:
+    for node in layout.order:
+        for h in node.holdings:
+            if h.model not in layout.offers:
+                layout.directives.append(
+                    Directive(
+                        "DROP_SHARD",
+                        node.node_id,
+                        h.model,
+                        h.span,
+                        f"model {h.model} is no longer offered",
+                    )
+                )
+
+
+def _drop_head_copies(layout: Layout) -> None:
+    """Drop non-entry copies of layers only entries can use (routes start after them)."""
+    for model in layout.offers:
+        entry_end = layout.entry_end(model)
+        if entry_end is None:
+            continue
+        for hold in list(layout.holds[model]):
+            node = layout.nodes[hold.node_id]
+            if hold.span.start < entry_end and not node.entry and layout.redundant(model, hold):
+                layout.drop(
+                    model,
+                    hold,
+                    f"no route can use it: routes start after the entries' span 0:{entry_end}",
+                )
 
 
 def with_directives(nodes: Sequence[NodeView], directives: Iterable[Directive]) -> list[NodeView]:
-    """`nodes` as they will be once each LOAD_SHARD is loading (for simulations and tests)."""
+    """`nodes` as they will be once every DROP is done and every LOAD is loading."""
     extra: dict[NodeId, list[Holding]] = {}
+    gone: set[tuple[NodeId, ModelId, LayerSpan]] = set()
     for d in directives:
         if d.op == "LOAD_SHARD":
             extra.setdefault(d.node_id, []).append(Holding(d.model, d.span, loaded=False))
-    return [replace(n, holdings=n.holdings + tuple(extra.get(n.node_id, ()))) for n in nodes]
-
-
-def _used(node: NodeView, offers: Mapping[ModelId, ModelOffer]) -> int:
-    return sum(
-        len(h.span) * offers[h.model].layer_bytes[node.quant]
-        for h in node.holdings
-        if h.model in offers
-    )
-
-
-def _holders(
-    nodes: Iterable[NodeView], offers: Mapping[ModelId, ModelOffer]
-) -> dict[ModelId, list[tuple[LayerSpan, float]]]:
-    """model -> (span, throughput) of every holding, loaded or loading."""
-    found: dict[ModelId, list[tuple[LayerSpan, float]]] = {}
-    for node in nodes:
-        for h in node.holdings:
-            if h.model in offers:
-                found.setdefault(h.model, []).append((h.span, node.throughput))
-    return found
+        else:
+            gone.add((d.node_id, d.model, d.span))
+    return [
+        replace(
+            n,
+            holdings=tuple(h for h in n.holdings if (n.node_id, h.model, h.span) not in gone)
+            + tuple(extra.get(n.node_id, ())),
+        )
+        for n in nodes
+    ]
 
 
 def gaps(num_layers: int, held: Iterable[tuple[LayerSpan, float]]) -> list[LayerSpan]:
@@ -114,149 +123,3 @@ def gaps(num_layers: int, held: Iterable[tuple[LayerSpan, float]]) -> list[Layer
     if reached < num_layers:
         runs.append(LayerSpan(reached, num_layers))
     return [r for r in runs if r.start < num_layers]
-
-
-def _capacity(node: NodeView, offer: ModelOffer, free: Mapping[NodeId, int]) -> int:
-    """Layers of `offer` that still fit `node`'s free budget (0 if it may not serve it)."""
-    if node.models is not None and offer.model not in node.models:
-        return 0
-    per_layer = offer.layer_bytes.get(node.quant)
-    if not per_layer:
-        return 0
-    return max(0, free[node.node_id]) // per_layer
-
-
-def _fill(
-    offer: ModelOffer,
-    gap: LayerSpan,
-    nodes: Sequence[NodeView],
-    free: dict[NodeId, int],
-    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
-) -> list[Directive]:
-    """Close `gap` with as few spans as possible; idle nodes first, best fit first."""
-    out: list[Directive] = []
-    start = gap.start
-    busy = {n.node_id for n in nodes if n.holdings}
-    while start < gap.end:
-        need = gap.end - start
-        pick = _best_fit(offer, need, start, nodes, free, busy)
-        if pick is None:
-            break  # no node has room: the gap stays, and no redundancy is added anywhere
-        node, layers = pick
-        span = LayerSpan(start, start + layers)
-        free[node.node_id] -= layers * offer.layer_bytes[node.quant]
-        busy.add(node.node_id)
-        holders.setdefault(offer.model, []).append((span, node.throughput))
-        out.append(
-            Directive(
-                "LOAD_SHARD",
-                node.node_id,
-                offer.model,
-                span,
-                f"closes gap {gap} of {offer.model} (layers {span})",
-            )
-        )
-        start = span.end
-    return out
-
-
-def _best_fit(
-    offer: ModelOffer,
-    need: int,
-    start: int,
-    nodes: Sequence[NodeView],
-    free: Mapping[NodeId, int],
-    busy: set[NodeId],
-) -> tuple[NodeView, int] | None:
-    """The node for the next piece of a gap and how many layers it takes.
-
-    Idle nodes before busy ones; among them the smallest that holds the whole rest of the
-    gap (least waste, one hop), else the largest (longest span, fewest hops); ties go to the
-    lowest node id. One pass over the nodes, no sorting: this runs once per piece of a gap.
-    """
-    for pool in (False, True):
-        fit: tuple[int, str, NodeView] | None = None  # smallest cap >= need
-        largest: tuple[int, str, NodeView] | None = None  # largest cap (then lowest id)
-        for n in nodes:
-            if (n.node_id in busy) != pool:
-                continue
-            cap = _capacity(n, offer, free)
-            if cap <= 0 or (n.failed and _failed(n, offer, start, min(need, cap))):
-                continue
-            if cap >= need and (fit is None or (cap, n.node_id) < fit[:2]):
-                fit = (cap, n.node_id, n)
-            if largest is None or (-cap, n.node_id) < (-largest[0], largest[1]):
-                largest = (cap, n.node_id, n)
-        choice = fit or largest
-        if choice is not None:
-            return choice[2], min(choice[0], need)
-    return None
-
-
-def _failed(node: NodeView, offer: ModelOffer, start: int, layers: int) -> bool:
-    return (offer.model, LayerSpan(start, start + layers)) in node.failed
-
-
-def _replicate(
-    offers: Mapping[ModelId, ModelOffer],
-    idle: Sequence[NodeView],
-    free: dict[NodeId, int],
-    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
-) -> list[Directive]:
-    """Give each idle node a copy of the existing span with the fewest copies that fits it.
-
-    Ties go to the least summed throughput. Copies come first because redundancy is what a
-    replica is for: one fast copy does not survive its node's death; start-up throughput
-    figures are also noisy enough to pile every replica on one span.
-    """
-    out: list[Directive] = []
-    spans = sorted({(m, s) for m, held in holders.items() for s, _ in held})
-    capacity = {(m, s): sum(t for s2, t in holders[m] if s2 == s) for m, s in spans}
-    copies = {(m, s): sum(1 for s2, _ in holders[m] if s2 == s) for m, s in spans}
-    cost = {(m, s): {q: len(s) * b for q, b in offers[m].layer_bytes.items()} for m, s in spans}
-    cheapest: dict[str, int] = {}  # quant -> smallest span cost: most idle nodes fail this test
-    for by_quant in cost.values():
-        for quant, size in by_quant.items():
-            cheapest[quant] = min(size, cheapest.get(quant, size))
-    for node in sorted(idle, key=lambda n: (-n.budget_bytes, n.node_id)):
-        if free[node.node_id] < cheapest.get(node.quant, free[node.node_id] + 1):
-            continue
-        room = free[node.node_id]
-        fits = [
-            (copies[key], capacity[key], key)
-            for key in spans
-            if cost[key].get(node.quant, room + 1) <= room
-            and (node.models is None or key[0] in node.models)
-            and key not in node.failed
-        ]
-        if not fits:
-            continue
-        fewest, weakest, (model, span) = min(fits)
-        free[node.node_id] -= cost[(model, span)][node.quant]
-        capacity[(model, span)] += node.throughput
-        copies[(model, span)] += 1
-        out.append(
-            Directive(
-                "LOAD_SHARD",
-                node.node_id,
-                model,
-                span,
-                f"adds a replica of {model} layers {span}, the least served "
-                f"({fewest} copies, capacity {weakest:g})",
-            )
-        )
-    return out
-
-
-def _drops(
-    nodes: Sequence[NodeView],
-    offers: Mapping[ModelId, ModelOffer],
-    holders: dict[ModelId, list[tuple[LayerSpan, float]]],
-) -> list[Directive]:
-    """Drop holdings of models no longer offered (nothing else depends on them)."""
-    return [
-        Directive("DROP_SHARD", n.node_id, h.model, h.span, f"model {h.model} is no longer offered")
-        for n in nodes
-        for h in n.holdings
-        if h.model not in offers
-    ]

@@ -1,15 +1,21 @@
-"""The tracker's state: node records, heartbeat expiry, and planning on every change.
+"""The tracker's state: node records, heartbeat expiry, and planning when something changed.
 
-All mutation goes through `Registry`; the clock is injected. Only spans a node reports
-loaded count as coverage; spans it was told to load (or reports loading) block re-assignment.
+All mutation goes through `Registry`, under its one lock (handlers run on the event loop and
+in FastAPI's thread pool); the clock is injected. Only spans a node reports loaded count as
+coverage; spans it was told to load (or reports loading) block re-assignment. A heartbeat
+that changes no holding, failure or membership plans nothing; when a plan takes long (a big
+mesh), the next one waits so that planning keeps to `PLANNING_SHARE` of the tracker's time.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from meshnet.errors import MeshError
 from meshnet.observe.metrics import Metrics
@@ -21,6 +27,9 @@ log = logging.getLogger(__name__)
 Key = tuple[ModelId, LayerSpan]
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
 CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
+PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
+QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
+BEATS_PER_S = 500  # heartbeats a second the tracker takes at most (~0.5 core at ~1 ms each)
 
 
 class UnknownNodeError(MeshError):
@@ -31,6 +40,12 @@ class UnknownNodeError(MeshError):
 
 class RegistrationError(MeshError):
     http_status = 400
+
+
+class TooManyNodesError(MeshError):
+    """The tracker holds as many nodes as it may (in all, or from one address)."""
+
+    http_status = 429
 
 
 @dataclass
@@ -46,6 +61,8 @@ class NodeRecord:
     step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
     suspect: bool = False  # an entry node reported it failing; out of routes until it beats
     checked_s: float = 0.0  # when the tracker last checked that it still listens
+    dropping: set[Key] = field(default_factory=set)  # told to drop, still reported
+    peer: str = ""  # the address it registered from (for the per-address cap)
 
     def view(self) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
@@ -60,6 +77,8 @@ class NodeRecord:
             holdings,
             frozenset(ModelId(m) for m in r.models) if r.models else None,
             frozenset(self.failed),
+            entry=r.entry,
+            sessions=self.sessions,
         )
 
 
@@ -75,20 +94,42 @@ class Registry:
         clock: Callable[[], float],
         heartbeat_interval_s: float | None = None,
         metrics: Metrics | None = None,
+        max_nodes: int = 20_000,
+        max_per_address: int = 64,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.offers = {o.model: o for o in offers}
         self.sources = sources  # model id -> what nodes pass to their loader
-        self.dead_after_s = dead_after_s
-        self.interval_s = heartbeat_interval_s or dead_after_s / 3
+        self.base_dead_after_s = dead_after_s
+        self.base_interval_s = heartbeat_interval_s or dead_after_s / 3
         self.clock = clock
+        self.timer = timer  # measures what a plan costs (real seconds)
         self.metrics = metrics or Metrics()
+        self.max_nodes, self.max_per_address = max_nodes, max_per_address
+        self.lock = threading.RLock()  # every read and change of the state below
         self.nodes: dict[NodeId, NodeRecord] = {}
         self.recent: deque[tuple[float, Directive]] = deque(maxlen=50)  # (issued at, directive)
         # (received at, entry node, summary) of the generations entry nodes finished
         self.requests: deque[tuple[float, NodeId, msg.RequestSummary]] = deque(maxlen=50)
+        self.dirty = False  # something changed since the last plan
+        self.plans = 0  # plans run (tests and the churn benchmark count them)
+        self._next_plan_s = float("-inf")  # clock time before which a due plan waits
+
+    @property
+    def interval_s(self) -> float:
+        """The heartbeat interval nodes are told now: the configured one, stretched in a big
+        mesh so that heartbeats stay under `BEATS_PER_S` (`beat_interval_s`)."""
+        return beat_interval_s(len(self.nodes), self.base_interval_s, BEATS_PER_S)
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence that makes a node dead: as many intervals as configured."""
+        return self.base_dead_after_s * self.interval_s / self.base_interval_s
 
     def validate(self, request: msg.RegisterRequest) -> None:
-        """Refuse (400) a registration naming models or spans this tracker does not offer."""
+        """Refuse (400) a registration naming models to serve that this tracker does not
+        offer, or spans outside an offered model. Spans of models no longer offered are
+        accepted: the planner tells the node to drop them."""
         unknown = sorted(set(request.models or []) - set(self.offers))
         if unknown:
             raise RegistrationError(
@@ -98,87 +139,110 @@ class Registry:
         for ref in request.loaded:
             self._key(ref)
 
-    def register(self, request: msg.RegisterRequest) -> list[Directive]:
-        self.validate(request)
-        loaded = {self._key(ref) for ref in request.loaded}
-        self.nodes[NodeId(request.node_id)] = NodeRecord(request, self.clock(), loaded=loaded)
-        log.info(
-            "node %s registered at %s (%d bytes, %s)",
-            request.node_id,
-            request.address,
-            request.budget_bytes,
-            request.quant,
-        )
-        self.replan()
-        return self._deliver(NodeId(request.node_id))
+    def register(self, request: msg.RegisterRequest, peer: str | None = None) -> list[Directive]:
+        with self.lock:
+            self.validate(request)
+            node_id, address = NodeId(request.node_id), peer or _host(request.address)
+            self._admit(node_id, address)
+            loaded = {self._key(ref) for ref in request.loaded}
+            self.nodes[node_id] = NodeRecord(request, self.clock(), loaded=loaded, peer=address)
+            log.info(
+                "node %s registered at %s (%d bytes, %s%s)",
+                request.node_id,
+                request.address,
+                request.budget_bytes,
+                request.quant,
+                ", entry" if request.entry else "",
+            )
+            self._changed()
+            return self._deliver(node_id)
 
     def heartbeat(self, beat: msg.HeartbeatRequest) -> list[Directive]:
-        record = self.nodes.get(NodeId(beat.node_id))
-        if record is None:
-            raise UnknownNodeError(
-                f"node {beat.node_id} is not registered; register again", field="node_id"
+        with self.lock:
+            record = self.nodes.get(NodeId(beat.node_id))
+            if record is None:
+                raise UnknownNodeError(
+                    f"node {beat.node_id} is not registered; register again", field="node_id"
+                )
+            loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
+            loading = {self._key(ref) for ref in beat.loading}
+            failed = {self._key(f.shard) for f in beat.failed}
+            record.last_seen_s = self.clock()
+            reported = loaded | loading
+            record.dropping &= reported  # what it no longer reports, it has dropped
+            loaded -= record.dropping
+            undelivered = {(d.model, d.span) for d in record.pending if d.op == "LOAD_SHARD"}
+            assigned = (record.assigned & (reported | undelivered)) - record.failed - failed
+            changed = (loaded, assigned) != (record.loaded, record.assigned) or not (
+                failed <= record.failed
             )
-        loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
-        loading = {self._key(ref) for ref in beat.loading}
-        failed = {self._key(f.shard) for f in beat.failed}
-        record.last_seen_s = self.clock()
-        record.loaded = loaded
-        record.failed |= failed
-        reported = loaded | loading
-        undelivered = {(d.model, d.span) for d in record.pending if d.op == "LOAD_SHARD"}
-        record.assigned = (record.assigned & (reported | undelivered)) - record.failed
-        record.sessions = beat.sessions
-        record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
-        record.suspect = False  # it is alive: routes may use it again
-        self.requests.extend((record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests)
-        self.replan()
-        return self._deliver(NodeId(beat.node_id))
+            record.loaded, record.assigned = loaded, assigned
+            record.failed |= failed
+            record.sessions = beat.sessions
+            record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
+            record.suspect = False  # it is alive: routes may use it again
+            self.requests.extend(
+                (record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests
+            )
+            if changed:
+                self._changed()
+            else:
+                self.plan_if_due()
+            return self._deliver(NodeId(beat.node_id))
 
     def leave(self, node_id: NodeId) -> bool:
-        gone = self.nodes.pop(node_id, None) is not None
-        if gone:
-            log.info("node %s left; re-planning its spans", node_id)
-            self.replan()
-        return gone
+        with self.lock:
+            gone = self.nodes.pop(node_id, None) is not None
+            if gone:
+                log.info("node %s left; re-planning its spans", node_id)
+                self._changed()
+            return gone
 
     def report(self, node_id: NodeId, reason: str) -> bool:
         """An entry node saw `node_id` fail: keep it out of routes until its next heartbeat."""
-        record = self.nodes.get(node_id)
-        if record is None:
-            return False
-        log.warning("node %s reported failing: %s", node_id, reason)
-        record.suspect = True
-        return True
+        with self.lock:
+            record = self.nodes.get(node_id)
+            if record is None:
+                return False
+            log.warning("node %s reported failing: %s", node_id, reason)
+            record.suspect = True
+            return True
 
     def expire(self) -> list[NodeId]:
-        now = self.clock()
-        dead = [n for n, r in self.nodes.items() if now - r.last_seen_s > self.dead_after_s]
-        for node_id in dead:
-            log.warning("node %s missed heartbeats for %.1f s: dead", node_id, self.dead_after_s)
-            del self.nodes[node_id]
-        if dead:
-            self.replan()
-        return dead
+        with self.lock:
+            now = self.clock()
+            dead = [n for n, r in self.nodes.items() if now - r.last_seen_s > self.dead_after_s]
+            for node_id in dead:
+                log.warning(
+                    "node %s missed heartbeats for %.1f s: dead", node_id, self.dead_after_s
+                )
+                del self.nodes[node_id]
+            if dead:
+                self._changed()
+            else:
+                self.plan_if_due()
+            return dead
 
     def to_check(self) -> list[NodeId]:
         """Nodes overdue for a heartbeat and not checked since it fell due (see `gone`)."""
-        now = self.clock()
-        return overdue(
-            {n: (r.last_seen_s, r.checked_s) for n, r in self.nodes.items()},
-            now,
-            self.interval_s,
-        )
+        with self.lock:
+            return overdue(
+                {n: (r.last_seen_s, r.checked_s) for n, r in self.nodes.items()},
+                self.clock(),
+                self.interval_s,
+            )
 
     def gone(self, node_id: NodeId, checked: bool) -> None:
         """The result of checking an overdue node: nothing listens (`checked` False) -> dead now."""
-        record = self.nodes.get(node_id)
-        if record is None:
-            return
-        record.checked_s = self.clock()
-        if not checked:
-            log.warning("node %s missed a heartbeat and refuses connections: dead", node_id)
-            del self.nodes[node_id]
-            self.replan()
+        with self.lock:
+            record = self.nodes.get(node_id)
+            if record is None:
+                return
+            record.checked_s = self.clock()
+            if not checked:
+                log.warning("node %s missed a heartbeat and refuses connections: dead", node_id)
+                del self.nodes[node_id]
+                self._changed()
 
     def state(self, record: NodeRecord, now: float) -> msg.NodeState:
         """What the dashboard says of a node (`late`: one heartbeat clearly missed)."""
@@ -190,28 +254,65 @@ class Registry:
             return "loading"
         return "ready" if record.loaded else "idle"
 
+    def plan_if_due(self) -> None:
+        """Plan now if something changed and the last plan's cost allows (see the module)."""
+        with self.lock:
+            if self.dirty and self.clock() >= self._next_plan_s:
+                self.replan()
+
     def replan(self) -> None:
         """Run the planner; queue each new directive for its node."""
-        views = [r.view() for r in self.nodes.values()]
-        for directive in plan(list(self.offers.values()), views):
-            record = self.nodes[directive.node_id]
-            key = (directive.model, directive.span)
-            if directive.op == "LOAD_SHARD":
-                record.assigned.add(key)
-            else:
-                record.loaded.discard(key)
-                record.assigned.discard(key)
-            record.pending.append(directive)
-            self.recent.append((self.clock(), directive))
-            self.metrics.directives.labels(directive.op).inc()
-            log.info(
-                "%s %s %s to %s: %s",
-                directive.op,
-                directive.model,
-                directive.span,
-                directive.node_id,
-                directive.reason,
+        with self.lock:
+            started = self.timer()
+            views = [r.view() for r in self.nodes.values()]
+            for directive in plan(list(self.offers.values()), views):
+                self._issue(directive)
+            self.dirty, self.plans = False, self.plans + 1
+            cost_s = self.timer() - started
+            wait_s = cost_s * (1 / PLANNING_SHARE - 1) if cost_s > QUICK_PLAN_S else 0.0
+            self._next_plan_s = self.clock() + wait_s
+
+    def _changed(self) -> None:
+        self.dirty = True
+        self.plan_if_due()
+
+    def _admit(self, node_id: NodeId, address: str) -> None:
+        """Refuse (429) a new node past the caps; a node registering again is let in."""
+        if node_id in self.nodes:
+            return
+        if len(self.nodes) >= self.max_nodes:
+            raise TooManyNodesError(
+                f"this tracker holds its limit of {self.max_nodes} nodes", field="node_id"
             )
+        same = sum(1 for r in self.nodes.values() if r.peer == address)
+        if same >= self.max_per_address:
+            raise TooManyNodesError(
+                f"{same} nodes already registered from {address}: the limit per address is "
+                f"{self.max_per_address}",
+                field="address",
+            )
+
+    def _issue(self, directive: Directive) -> None:
+        record = self.nodes[directive.node_id]
+        key = (directive.model, directive.span)
+        if directive.op == "LOAD_SHARD":
+            record.assigned.add(key)
+            record.dropping.discard(key)
+        else:
+            record.loaded.discard(key)
+            record.assigned.discard(key)
+            record.dropping.add(key)
+        record.pending.append(directive)
+        self.recent.append((self.clock(), directive))
+        self.metrics.directives.labels(directive.op).inc()
+        log.info(
+            "%s %s %s to %s: %s",
+            directive.op,
+            directive.model,
+            directive.span,
+            directive.node_id,
+            directive.reason,
+        )
 
     def _deliver(self, node_id: NodeId) -> list[Directive]:
         record = self.nodes[node_id]
@@ -219,14 +320,10 @@ class Registry:
         return out
 
     def _key(self, ref: msg.ShardRef) -> Key:
+        """A reported span as a key: a model no longer offered is kept (to be dropped); a span
+        outside an offered model's layers is refused (400)."""
         offer = self.offers.get(ModelId(ref.model))
-        if offer is None:
-            raise RegistrationError(
-                f"model {ref.model!r} is not offered by this tracker "
-                f"(offered: {sorted(self.offers)})",
-                field="model",
-            )
-        if ref.span.end > offer.num_layers:
+        if offer is not None and ref.span.end > offer.num_layers:
             raise RegistrationError(
                 f"span {ref.span} is outside {ref.model}'s {offer.num_layers} layers", field="span"
             )
@@ -255,6 +352,16 @@ class Registry:
             span=directive.span,
             reason=directive.reason,
         )
+
+
+def beat_interval_s(nodes: int, base_s: float, beats_per_s: float) -> float:
+    """Seconds between a node's heartbeats so that `nodes` nodes send at most `beats_per_s`
+    a second together, and never less than `base_s`."""
+    return max(base_s, nodes / beats_per_s)
+
+
+def _host(address: str) -> str:
+    return urlsplit(address).hostname or address
 
 
 def overdue(

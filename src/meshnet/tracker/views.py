@@ -52,7 +52,8 @@ def route(
             f"layers {start}:{end} are not a span within {model}'s {offer.num_layers} layers",
             field="start",
         )
-    live = servers(registry, offer.model, exclude)
+    with registry.lock:
+        live = servers(registry, offer.model, exclude)
     hops = choose_route(offer.model, offer.num_layers, live, start, rng, end)
     return msg.RouteResponse(
         model=model,
@@ -66,6 +67,11 @@ def coverage(registry: Registry) -> msg.CoverageResponse:
     Layers count as served only by nodes that are neither suspect nor late (a missed
     heartbeat): the map shows a killed node's gap before its heartbeats expire.
     """
+    with registry.lock:
+        return _coverage(registry)
+
+
+def _coverage(registry: Registry) -> msg.CoverageResponse:
     now = registry.clock()
     states = {n: registry.state(r, now) for n, r in registry.nodes.items()}
     models = [
