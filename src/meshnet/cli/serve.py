@@ -62,13 +62,18 @@ def add_tracker_command(sub: Any) -> None:
     tracker.add_argument("--host", default=default.host)
     tracker.add_argument("--port", type=int, default=default.port)
     tracker.add_argument(
-        "--heartbeat-interval", type=float, default=default.heartbeat_interval_s, help="seconds"
+        "--heartbeat-interval",
+        type=float,
+        default=default.heartbeat_interval_s,
+        help="seconds between a node's heartbeats; beyond 1,000 nodes the tracker stretches it "
+        "to keep to 500 heartbeats a second (and the dead time with it)",
     )
     tracker.add_argument(
         "--dead-after",
         type=float,
         default=default.dead_after_s,
-        help="seconds without a heartbeat before a node counts as dead",
+        help="seconds without a heartbeat before a node counts as dead (stretched with the "
+        "interval in big meshes)",
     )
     tracker.add_argument(
         "--max-nodes",
