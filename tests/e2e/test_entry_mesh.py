@@ -198,3 +198,10 @@ def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: Mesh) 
         10,
         "every hop to drop the session",
     )
+
+
+def test_the_tracker_lists_both_entry_processes_as_entries(mesh: Mesh) -> None:
+    listed = httpx.get(f"{mesh.url}/v1/entries", params={"model": "default"}).json()
+    addresses = {e["address"] for e in listed["entries"]}
+    assert addresses == {mesh.url, mesh.entry}  # tracker-as-node and `node --entry`
+    assert all(e["span"] == {"start": 0, "end": 10} for e in listed["entries"])

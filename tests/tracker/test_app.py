@@ -283,3 +283,23 @@ def test_route_exclusions_must_be_node_ids(mesh: tuple[TestClient, Clock]) -> No
     client, _ = mesh
     response = client.get("/v1/route", params={"model": "m", "exclude": "a,b/../c"})
     assert response.status_code == 400 and response.json()["error"]["field"] == "exclude"
+
+
+def test_entries_lists_live_entry_nodes_of_a_model_least_loaded_first(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    client, clock = mesh
+    head = [{"model": "m", "span": {"start": 0, "end": 10}}]
+    register(client, "e1", 100, loaded=head, entry=True)
+    register(client, "plain", 100, loaded=head)  # holds 0:10 but runs no head: not an entry
+    clock.now = 10.0  # e1 goes late (interval 2 s)
+    register(client, "e2", 100, loaded=head, entry=True)
+    register(client, "e3", 100, loaded=head, entry=True)
+    client.post("/v1/nodes/heartbeat", json={"node_id": "e2", "loaded": head, "sessions": 3})
+    client.post("/v1/nodes/heartbeat", json={"node_id": "e3", "loaded": head, "sessions": 1})
+    answer = client.get("/v1/entries", params={"model": "m"})
+    assert answer.status_code == 200
+    listed = [(e["node_id"], e["span"], e["sessions"]) for e in answer.json()["entries"]]
+    assert listed == [("e3", {"start": 0, "end": 10}, 1), ("e2", {"start": 0, "end": 10}, 3)]
+    unknown = client.get("/v1/entries", params={"model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"

@@ -36,6 +36,7 @@ def access_rules() -> list[Rule]:
     return [
         rule("/v1/nodes", "swarm", max_body_bytes=256 * KiB),
         rule("/v1/route", "swarm"),
+        rule("/v1/entries", "swarm", "client"),
         rule("/v1/coverage", "swarm", "client"),
         rule("/metrics", "swarm", "client"),
         rule("/"),  # the dashboard page and its files hold no data: they read /v1/coverage
@@ -105,6 +106,12 @@ def create_app(
     def coverage() -> msg.CoverageResponse:
         registry.expire()
         return views.coverage(registry)
+
+    @app.get("/v1/entries")
+    def entries(model: str = Query(max_length=200)) -> msg.EntriesResponse:
+        """Where to send a client request for `model`: its live entry nodes."""
+        registry.expire()
+        return views.entries(registry, model)
 
     @app.get("/v1/route")
     def route(

@@ -177,3 +177,18 @@ class RouteHop(Message):
 class RouteResponse(Message):
     model: str
     hops: list[RouteHop]
+
+
+class EntryInfo(Message):
+    """A live entry node of a model: where its API is, its head span, how loaded it is."""
+
+    node_id: str
+    address: str
+    span: LayerSpan  # its head span [0, k)
+    sessions: int
+    queue_depth: int = 0
+
+
+class EntriesResponse(Message):
+    model: str
+    entries: list[EntryInfo]  # least loaded first

@@ -61,6 +61,32 @@ def route(
     )
 
 
+def entries(registry: Registry, model: str) -> msg.EntriesResponse:
+    """The live entries of `model` (registered as entries, holding a loaded span from layer 0,
+    neither suspect nor late), least loaded first; 404 for a model not offered."""
+    if ModelId(model) not in registry.offers:
+        raise UnknownModelError(
+            f"model {model!r} is not offered (offered: {sorted(registry.offers)})", field="model"
+        )
+    with registry.lock:
+        now = registry.clock()
+        found = [
+            msg.EntryInfo(
+                node_id=node_id,
+                address=r.request.address,
+                span=span,
+                sessions=r.sessions,
+                queue_depth=r.queue_depth,
+            )
+            for node_id, r in sorted(registry.nodes.items())
+            if r.request.entry and registry.state(r, now) not in ("late", "suspect")
+            for m, span in sorted(r.loaded)
+            if m == model and span.start == 0
+        ]
+    found.sort(key=lambda e: (e.sessions + e.queue_depth, e.node_id))
+    return msg.EntriesResponse(model=model, entries=found)
+
+
 def coverage(registry: Registry) -> msg.CoverageResponse:
     """The coverage map, node table, and recent directives and generations.
 
