@@ -54,21 +54,11 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         "tracker": start(tracker_args, tmp_path / "tracker.log", ENV)
     }
 
-    def add_node(name: str, budget: str = BUDGET) -> None:
+    def add_node(name: str, budget: str = BUDGET, *extra: str) -> None:
+        size = ["--budget", budget] if budget else []
         procs[name] = start(
-            [
-                "node",
-                "--tracker",
-                url,
-                "--port",
-                str(free_port()),
-                "--budget",
-                budget,
-                "--quant",
-                "fp32",
-                "--data-dir",
-                str(tmp_path / name),
-            ],
+            ["node", "--tracker", url, "--port", str(free_port()), *size, "--quant", "fp32"]
+            + ["--data-dir", str(tmp_path / name), *extra],
             tmp_path / f"{name}.log",
             ENV,
         )
@@ -153,6 +143,56 @@ def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str
         "coverage after the tracker restart",
     )
     assert len(get_json(f"{url}/v1/coverage")["nodes"]) == 3
+
+
+@pytest.mark.slow
+def test_a_tracker_without_layers_forwards_clients_to_its_entries(cluster: dict[str, Any]) -> None:
+    """Issue #19 (first part): the `openai` client asks a tracker that runs no model; the
+    tracker forwards to the least loaded entry, and to the other one once that is killed."""
+    import openai
+
+    url, procs = cluster["url"], cluster["procs"]
+    for name in ("e1", "e2"):
+        cluster["add_node"](name, "", "--entry", "--layers", "0:10")
+    for name in ("n1", "n2"):
+        cluster["add_node"](name)
+    wait_for(lambda: len(entries(url)) == 2, 180, "two entries")
+    wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 180, "the chain")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["default"]
+    ask = {"model": "default", "temperature": 0, "max_tokens": 12}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(messages=question, **ask)  # type: ignore[call-overload]
+    direct = httpx.post(
+        f"{entries(url)[0]['address']}/v1/chat/completions",
+        json={**ask, "messages": question},
+        timeout=60,
+    ).json()
+    assert first.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert "Paris" in (first.choices[0].message.content or "")
+    streamed = client.chat.completions.create(messages=question, stream=True, **ask)  # type: ignore[call-overload]
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == first.choices[0].message.content
+
+    chosen = entries(url)[0]["address"]
+    victim = next(n for n in ("e1", "e2") if _address(cluster, n) == chosen)
+    procs[victim].kill()
+    procs[victim].wait()
+    again = client.chat.completions.create(messages=question, **ask)  # type: ignore[call-overload]
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert [e["address"] for e in entries(url)] != [chosen]
+
+
+def entries(url: str) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = get_json(f"{url}/v1/entries?model=default")["entries"]
+    return listed
+
+
+def _address(cluster: dict[str, Any], name: str) -> str:
+    """The address node `name` registered with (from the tracker's node table)."""
+    node_id = (cluster["logs"] / name / "node_id").read_text().strip()
+    nodes = get_json(f"{cluster['url']}/v1/coverage")["nodes"]
+    return str(next(n["address"] for n in nodes if n["node_id"] == node_id))
 
 
 # Leaving on SIGTERM (re-planned before heartbeats expire) is tested under load, with the

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Query, Request
-from starlette.responses import FileResponse
+from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from meshnet import __version__
@@ -24,12 +24,14 @@ from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.security.access import Credentials, Guard, KiB, Rule, rule
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
+from meshnet.tracker.forward import EntryForwarder, listed_models
 from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
 
 log = logging.getLogger(__name__)
 DASHBOARD = Path(__file__).parent / "dashboard"  # static files: no build step
+CLIENT_BODY_BYTES = 4 << 20  # a forwarded client request; the entry applies its own limit
 
 
 def access_rules() -> list[Rule]:
@@ -51,10 +53,12 @@ def create_app(
     prober: Prober,
     access: AccessConfig = AccessConfig(),
     extra_rules: Sequence[Rule] = (),
+    forwarder: EntryForwarder | None = None,
 ) -> FastAPI:
     """The tracker's ASGI app over `registry`; `prober` checks registering nodes.
 
     `extra_rules`: access rules of routes added later (tracker-as-node adds node and API routes).
+    `forwarder`: a tracker that runs no model answers clients by forwarding to entries.
     """
     rng = random.Random(config.route_seed)
 
@@ -70,7 +74,7 @@ def create_app(
     registry.metrics.on_scrape(lambda: _sample(registry))
     app.add_route("/metrics", registry.metrics.endpoint, methods=["GET"], include_in_schema=False)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
-    rules = [*access_rules(), *extra_rules]
+    rules = [*access_rules(), *(client_rules() if forwarder else []), *extra_rules]
     app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
     app.add_middleware(WireVersionHeader)
 
@@ -107,6 +111,9 @@ def create_app(
         registry.expire()
         return views.coverage(registry)
 
+    if forwarder is not None:
+        add_client_routes(app, registry, forwarder)
+
     @app.get("/v1/entries")
     def entries(model: str = Query(max_length=200)) -> msg.EntriesResponse:
         """Where to send a client request for `model`: its live entry nodes."""
@@ -142,6 +149,27 @@ def create_app(
         }
 
     return app
+
+
+def client_rules() -> list[Rule]:
+    """The OpenAI routes a forwarding tracker answers (the entry checks the API key too)."""
+    return [
+        rule("/v1/chat/completions", "client", max_body_bytes=CLIENT_BODY_BYTES),
+        rule("/v1/completions", "client", max_body_bytes=CLIENT_BODY_BYTES),
+        rule("/v1/models", "client"),
+    ]
+
+
+def add_client_routes(app: FastAPI, registry: Registry, forwarder: EntryForwarder) -> None:
+    async def forward(request: Request) -> Response:
+        return await forwarder.forward(request)
+
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        app.add_api_route(path, forward, methods=["POST"], include_in_schema=False)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, object]:
+        return listed_models(registry)
 
 
 async def watch(registry: Registry, prober: Prober, every_s: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import httpx
 import uvicorn
 
 from meshnet.config import AccessConfig, TrackerConfig
@@ -12,6 +13,7 @@ from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import resolve
 from meshnet.security.signing import Signer
 from meshnet.tracker.app import create_app
+from meshnet.tracker.forward import EntryForwarder
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import HttpProber
 from meshnet.tracker.registry import Registry
@@ -53,7 +55,12 @@ def build_registry(config: TrackerConfig) -> Registry:
 
 
 def serve(config: TrackerConfig, access: AccessConfig) -> None:
+    """A tracker that runs no model: the control plane, and clients forwarded to entries."""
     prober = HttpProber(Signer(access.swarm_key))
-    app = create_app(build_registry(config), config, prober=prober, access=access)
+    registry = build_registry(config)
+    # a generation streams for minutes: no read timeout, but connecting must be quick
+    outbound = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    forwarder = EntryForwarder(registry, outbound)
+    app = create_app(registry, config, prober=prober, access=access, forwarder=forwarder)
     log.info("tracker on http://%s:%d", config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -1,0 +1,182 @@
+"""A tracker that runs no model forwards client calls to a live entry: least loaded first,
+the next entry when one cannot be reached, streams relayed as they come, and clear errors.
+
+The entries are a fake transport here (no model); tests/e2e/test_tracker_mesh.py forwards
+through real processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from meshnet.config import AccessConfig, TrackerConfig
+from meshnet.tracker import messages as msg
+from meshnet.tracker.app import create_app
+from meshnet.tracker.forward import EntryForwarder
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.probe import TrustingProber
+from meshnet.tracker.registry import Registry
+from meshnet.types import LayerSpan, ModelId
+
+MB = 1 << 20
+OFFERS = [
+    ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")}),
+    ModelOffer(ModelId("other"), 4, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")}),
+]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+Handler = Callable[[httpx.Request], httpx.Response]
+KEY = "client-key-0001"  # the tracker checks it, and passes it on to the entry
+
+
+def node(name: str, start: int, end: int, *, entry: bool = False) -> msg.RegisterRequest:
+    return msg.RegisterRequest(
+        node_id=name,
+        address=f"http://{name}:1",
+        budget_bytes=(end - start) * 10 * MB,
+        quant="fp32",
+        throughput=1.0,
+        loaded=[msg.ShardRef(model="m", span={"start": start, "end": end})],  # type: ignore[arg-type]
+        entry=entry,
+    )
+
+
+def tracker(handler: Handler, busy_a: int = 0) -> tuple[TestClient, Registry, list[str]]:
+    """A tracker with entries `a` (`busy_a` sessions) and `b` for model m, whose calls go to
+    `handler`; also returns the list of hosts called, in order."""
+    registry = Registry(OFFERS, {}, dead_after_s=6.0, clock=lambda: 0.0)
+    for request in (node("a", 0, 10, entry=True), node("b", 0, 10, entry=True), node("c", 10, 30)):
+        registry.register(request)
+    registry.heartbeat(
+        msg.HeartbeatRequest(
+            node_id="a",
+            loaded=[msg.ShardRef(model="m", span={"start": 0, "end": 10})],  # type: ignore[arg-type]
+            sessions=busy_a,
+        )
+    )
+    called: list[str] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        called.append(request.url.host)
+        return handler(request)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(record))
+    app = create_app(
+        registry,
+        TrackerConfig(),
+        prober=TrustingProber(),
+        access=AccessConfig(api_keys=(KEY,)),
+        forwarder=EntryForwarder(registry, client),
+    )
+    return TestClient(app, headers={"Authorization": f"Bearer {KEY}"}), registry, called
+
+
+def answer(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    reply = {"host": request.url.host, "path": request.url.path, "model": body["model"]}
+    reply["auth"] = request.headers.get("authorization", "")
+    return httpx.Response(200, json=reply)
+
+
+def test_a_request_goes_to_the_least_loaded_entry_with_its_body_and_key() -> None:
+    client, _, called = tracker(answer, busy_a=2)
+    got = client.post("/v1/chat/completions", json=CHAT)
+    assert got.status_code == 200
+    assert got.json() == {
+        "host": "b",
+        "path": "/v1/chat/completions",
+        "model": "m",
+        "auth": f"Bearer {KEY}",
+    }
+    completion = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert completion.json()["path"] == "/v1/completions" and called == ["b", "b"]
+
+
+@pytest.mark.parametrize("failure", ["refused", "500"])
+def test_an_entry_that_fails_before_answering_is_skipped(failure: str) -> None:
+    def first_fails(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            if failure == "refused":
+                raise httpx.ConnectError("connection refused", request=request)
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        return answer(request)
+
+    client, registry, called = tracker(first_fails)
+    got = client.post("/v1/chat/completions", json=CHAT)
+    assert got.status_code == 200 and got.json()["host"] == "b" and called == ["a", "b"]
+    assert registry.nodes["a"].suspect == (failure == "refused")  # reported, out of routes
+
+
+def test_a_4xx_from_the_entry_is_the_client_s_answer() -> None:
+    def refuses(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "missing API key"}})
+
+    client, _, called = tracker(refuses)
+    got = client.post("/v1/chat/completions", json=CHAT)
+    assert got.status_code == 401 and got.json()["error"]["message"] == "missing API key"
+    assert called == ["a"]
+
+
+class Events(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes], breaks: bool) -> None:
+        self.chunks, self.breaks = chunks, breaks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.breaks:
+            raise httpx.ReadError("connection reset")
+
+
+@pytest.mark.parametrize("breaks", [False, True])
+def test_streams_are_relayed_and_a_broken_one_ends_with_an_error_event(breaks: bool) -> None:
+    chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n'] + (
+        [] if breaks else [b"data: [DONE]\n\n"]
+    )
+
+    def streams(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=Events(chunks, breaks))
+
+    client, _, _ = tracker(streams)
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as got:
+        assert got.headers["content-type"].startswith("text/event-stream")
+        text = "".join(got.iter_text())
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[:2] == ['{"n": 1}', '{"n": 2}']
+    if breaks:
+        assert "the entry broke off" in json.loads(events[2])["error"]["message"]
+    else:
+        assert events[2] == "[DONE]"
+
+
+def test_clear_errors_for_no_entry_an_unknown_model_and_bad_bodies() -> None:
+    client, registry, _ = tracker(answer)
+    stranger = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": ""})
+    assert stranger.status_code == 401  # the tracker checks the key before forwarding
+    none = client.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+    assert none.status_code == 503
+    assert "other has no live entry: no node serves layers 0:4" in none.json()["error"]["message"]
+    unknown = client.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    for bad, param in ((b"{", "body"), (b"[1]", "model"), (b'{"model": 3}', "model")):
+        got = client.post("/v1/chat/completions", content=bad)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param
+    registry.nodes["c"].loaded.add((ModelId("m"), LayerSpan(0, 10)))  # a plain copy of 0:10
+    registry.leave("a")  # type: ignore[arg-type]
+    registry.leave("b")  # type: ignore[arg-type]
+    headless = client.post("/v1/chat/completions", json=CHAT)
+    assert headless.status_code == 503
+    assert "no node that runs its head is up" in headless.json()["error"]["message"]
+
+
+def test_models_lists_the_offered_models_that_can_answer() -> None:
+    client, registry, _ = tracker(answer)
+    ids: Any = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["m"]  # "other" has no layers served, so no entry either
+    registry.leave("c")  # type: ignore[arg-type]
+    assert client.get("/v1/models").json()["data"] == []
