@@ -183,8 +183,8 @@ def test_a_tracker_without_layers_forwards_clients_to_its_entries(cluster: dict[
     assert [e["address"] for e in entries(url)] != [chosen]
 
 
-def entries(url: str) -> list[dict[str, Any]]:
-    listed: list[dict[str, Any]] = get_json(f"{url}/v1/entries?model=default")["entries"]
+def entries(url: str, model_name: str = "default") -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = get_json(f"{url}/v1/entries?model={model_name}")["entries"]
     return listed
 
 
@@ -197,3 +197,60 @@ def _address(cluster: dict[str, Any], name: str) -> str:
 
 # Leaving on SIGTERM (re-planned before heartbeats expire) is tested under load, with the
 # requests in flight, in tests/e2e/test_failover_mesh.py.
+
+
+@pytest.mark.slow
+def test_one_tracker_answers_for_two_models_each_with_its_own_entry(tmp_path: Path) -> None:
+    """Issue #19: the default model under a second id (a link to the same file), each with
+    an entry of its own; the `openai` client asks the one tracker for both."""
+    import openai
+
+    from meshnet.models.source import default_gguf
+
+    second = tmp_path / "second.gguf"
+    second.symlink_to(default_gguf())
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    common = ["--quant", "fp32"]
+    procs = [
+        start(
+            ["tracker", "--model", "default", "--model", str(second), "--port", str(port)]
+            + ["--heartbeat-interval", str(HEARTBEAT_S), "--dead-after", str(DEAD_AFTER_S)],
+            tmp_path / "tracker.log",
+            ENV,
+        )
+    ]
+    try:
+        wait_for(lambda: get_json(f"{url}/health")["status"] == "ok", 60, "the tracker")
+
+        def launch(name: str, model_name: str, *extra: str) -> None:
+            args = ["node", "--tracker", url, "--port", str(free_port()), "--model", model_name]
+            args += [*common, "--data-dir", str(tmp_path / name), *extra]
+            procs.append(start(args, tmp_path / f"{name}.log", ENV))
+
+        launch("e1", "default", "--entry", "--layers", "0:10")
+        launch("e2", str(second), "--entry", "--layers", "0:10")
+        # plain nodes join once the entries hold 0:10: the planner then gives them 10:30 of
+        # each model (it cannot re-cut a span a node took before the entries came)
+        for name in ("default", "second"):
+            wait_for(lambda n=name: len(entries(url, n)) == 1, 180, f"the entry of {name}")
+        launch("n1", "default", "--budget", "330MB")
+        launch("n2", "default", "--budget", "330MB")
+        both = lambda: [m["routable"] for m in get_json(f"{url}/v1/coverage")["models"]]  # noqa: E731
+        wait_for(lambda: both() == [True, True], 240, "both models routable")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == ["default", "second"]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answers = {
+            name: client.chat.completions.create(  # type: ignore[call-overload]
+                model=name, messages=question, temperature=0, max_tokens=12
+            )
+            for name in ("default", "second")
+        }
+        texts = {name: a.choices[0].message.content for name, a in answers.items()}
+        assert texts["default"] == texts["second"] and "Paris" in (texts["default"] or "")
+        routes = {name: a.model_extra["meshnet"]["route"] for name, a in answers.items()}
+        assert routes["default"][0]["node_id"] != routes["second"][0]["node_id"]  # two entries
+    finally:
+        for process in procs:
+            stop(process)
