@@ -200,9 +200,13 @@ def _address(cluster: dict[str, Any], name: str) -> str:
 
 
 @pytest.mark.slow
-def test_one_tracker_answers_for_two_models_each_with_its_own_entry(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tracker_runs_default", [False, True], ids=["control-only", "as-node"])
+def test_one_tracker_answers_for_two_models_each_with_its_own_entry(
+    tmp_path: Path, tracker_runs_default: bool
+) -> None:
     """Issue #19: the default model under a second id (a link to the same file), each with
-    an entry of its own; the `openai` client asks the one tracker for both."""
+    an entry of its own; the `openai` client asks the one tracker for both. The tracker is
+    control plane only, or itself the default model's entry (then it forwards only `second`)."""
     import openai
 
     from meshnet.models.source import default_gguf
@@ -212,10 +216,11 @@ def test_one_tracker_answers_for_two_models_each_with_its_own_entry(tmp_path: Pa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     common = ["--quant", "fp32"]
-    procs = [
+    procs: list[subprocess.Popen[bytes]] = [
         start(
             ["tracker", "--model", "default", "--model", str(second), "--port", str(port)]
-            + ["--heartbeat-interval", str(HEARTBEAT_S), "--dead-after", str(DEAD_AFTER_S)],
+            + ["--heartbeat-interval", str(HEARTBEAT_S), "--dead-after", str(DEAD_AFTER_S)]
+            + (["--layers", "0:10", *common] if tracker_runs_default else []),
             tmp_path / "tracker.log",
             ENV,
         )
@@ -228,7 +233,8 @@ def test_one_tracker_answers_for_two_models_each_with_its_own_entry(tmp_path: Pa
             args += [*common, "--data-dir", str(tmp_path / name), *extra]
             procs.append(start(args, tmp_path / f"{name}.log", ENV))
 
-        launch("e1", "default", "--entry", "--layers", "0:10")
+        if not tracker_runs_default:
+            launch("e1", "default", "--entry", "--layers", "0:10")
         launch("e2", str(second), "--entry", "--layers", "0:10")
         # plain nodes join once the entries hold 0:10: the planner then gives them 10:30 of
         # each model (it cannot re-cut a span a node took before the entries came)
@@ -251,6 +257,9 @@ def test_one_tracker_answers_for_two_models_each_with_its_own_entry(tmp_path: Pa
         assert texts["default"] == texts["second"] and "Paris" in (texts["default"] or "")
         routes = {name: a.model_extra["meshnet"]["route"] for name, a in answers.items()}
         assert routes["default"][0]["node_id"] != routes["second"][0]["node_id"]  # two entries
+        if tracker_runs_default:  # its own model runs here; `second` was forwarded
+            assert routes["default"][0]["address"] == "local"
+            assert routes["second"][0]["address"] == "local"  # local to the other entry
     finally:
         for process in procs:
             stop(process)

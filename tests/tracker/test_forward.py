@@ -180,3 +180,27 @@ def test_models_lists_the_offered_models_that_can_answer() -> None:
     assert ids == ["m"]  # "other" has no layers served, so no entry either
     registry.leave("c")  # type: ignore[arg-type]
     assert client.get("/v1/models").json()["data"] == []
+
+
+def test_a_tracker_as_node_never_forwards_to_itself() -> None:
+    client, registry, called = tracker(answer)
+    forwarder = EntryForwarder(registry, httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    assert forwarder.exclude == frozenset()
+    own = EntryForwarder(
+        registry,
+        httpx.AsyncClient(
+            transport=httpx.MockTransport(lambda r: (called.append(r.url.host), answer(r))[1])
+        ),
+        exclude=frozenset({"a"}),  # "a" is the least loaded entry, and this very process
+    )
+    app = create_app(
+        registry,
+        TrackerConfig(),
+        prober=TrustingProber(),
+        access=AccessConfig(api_keys=(KEY,)),
+        forwarder=own,
+    )
+    got = TestClient(app, headers={"Authorization": f"Bearer {KEY}"}).post(
+        "/v1/chat/completions", json=CHAT
+    )
+    assert got.json()["host"] == "b" and called == ["b"]

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -29,6 +29,7 @@ from meshnet.security.limits import ClientLimiter
 
 log = logging.getLogger(__name__)
 Render = Callable[[str | None, Finished | None, bool], dict[str, Any]]  # (text, end, first)
+Elsewhere = Callable[[Request], Awaitable[Response]]  # answers a call for a model not served here
 
 
 def access_rules(limits: ApiLimits) -> list[Rule]:
@@ -64,8 +65,14 @@ def api_router(
     default_max_tokens: int = 256,
     limits: ApiLimits = ApiLimits(),
     limiter: ClientLimiter | None = None,
+    elsewhere: Elsewhere | None = None,
+    more_models: Callable[[], list[str]] | None = None,
 ) -> APIRouter:
-    """The API over `generators` (model id -> generator); `limits` apply per client."""
+    """The API over `generators` (model id -> generator); `limits` apply per client.
+
+    `elsewhere` (a tracker-as-node's forwarder) answers calls naming another model, and
+    `more_models` lists the models it can answer for `/v1/models`.
+    """
     router = APIRouter()
     limiter = limiter or ClientLimiter(limits)
 
@@ -79,13 +86,17 @@ def api_router(
 
     @router.get("/v1/models")
     def models() -> dict[str, object]:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "meshnet"} for m in generators
+        ids = [
+            *generators,
+            *(m for m in (more_models() if more_models else []) if m not in generators),
         ]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "meshnet"} for m in ids]
         return {"object": "list", "data": data}
 
     @router.post("/v1/chat/completions")
     async def chat(request: schemas.ChatCompletionRequest, http: Request) -> Response:
+        if elsewhere is not None and request.model not in generators:
+            return await elsewhere(http)
         client = client_of(http.scope)
         limiter.admit(client)
         generator = generator_for(request.model)
@@ -102,6 +113,8 @@ def api_router(
 
     @router.post("/v1/completions")
     async def completions(request: schemas.CompletionRequest, http: Request) -> Response:
+        if elsewhere is not None and request.model not in generators:
+            return await elsewhere(http)
         client = client_of(http.scope)
         limiter.admit(client)
         generator = generator_for(request.model)

@@ -54,6 +54,7 @@ from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey
 from meshnet.tracker.app import create_app as create_tracker_app
+from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.messages import RegisterRequest
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.serve import build_registry, offer
@@ -276,7 +277,18 @@ def build_tracker_node_app(
     )
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
     generator = make_generator(model, service, routes, transport, entry, request.node_id)
-    app.include_router(api_router({model.model_id: generator}, entry.default_max_tokens, limits))
+    # other models this tracker offers are answered by their entries (ADR-0028)
+    outbound = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    forwarder = EntryForwarder(registry, outbound, exclude=frozenset({request.node_id}))
+    app.include_router(
+        api_router(
+            {model.model_id: generator},
+            entry.default_max_tokens,
+            limits,
+            elsewhere=forwarder.forward,
+            more_models=lambda: ready_models(registry),
+        )
+    )
     own = agent_lifespan(  # registers with this very app, in-process (signed like any node)
         service,
         lambda: httpx.AsyncClient(

@@ -35,15 +35,23 @@ class NoEntryError(RouteError):
 class EntryForwarder:
     """Forwards client calls to entries; `client` makes the outbound calls (a seam)."""
 
-    def __init__(self, registry: Registry, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
         self.registry = registry
         self.client = client
+        self.exclude = exclude  # a tracker-as-node's own id: never forward to itself
 
     async def forward(self, request: Request) -> Response:
         body = await request.body()
         model = model_of(body)
         self.registry.expire()
-        listed = views.entries(self.registry, model).entries  # 404 for a model not offered
+        listed = [  # 404 for a model not offered
+            e for e in views.entries(self.registry, model).entries if e.node_id not in self.exclude
+        ]
         if not listed:
             raise NoEntryError(self._why_none(model), field="model")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
@@ -109,11 +117,16 @@ async def _chunks(answer: httpx.Response, events: bool) -> AsyncIterator[bytes]:
             yield f"data: {json.dumps(error)}\n\n".encode()
 
 
-def listed_models(registry: Registry) -> dict[str, object]:
-    """`GET /v1/models` of a tracker: every offered model with a chain and a live entry."""
+def ready_models(registry: Registry) -> list[str]:
+    """The offered models with a chain and a live entry: what clients can be answered for."""
     coverage = views.coverage(registry)
-    ready = [
+    return [
         m.model for m in coverage.models if m.routable and views.entries(registry, m.model).entries
     ]
+
+
+def listed_models(registry: Registry) -> dict[str, object]:
+    """`GET /v1/models` of a tracker that runs no model (`ready_models`)."""
+    ready = ready_models(registry)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "meshnet"} for m in ready]
     return {"object": "list", "data": data}
