@@ -121,9 +121,6 @@ class Layout:
     def spans(self, model: ModelId) -> list[LayerSpan]:
         return [h.span for h in self.holds[model]]
 
-    def of_node(self, node_id: NodeId) -> list[tuple[ModelId, Hold]]:
-        return list(self.by_node[node_id])
-
     def idle(self, node_id: NodeId) -> bool:
         return node_id not in self.taken and not self.by_node[node_id]
 
