@@ -30,16 +30,17 @@ from typing import Any
 
 import torch
 
-from meshnet.client.generation import Finished, GenerationParams, Generator
-from meshnet.client.routes import StaticRoutes
-from meshnet.client.sampling import SamplingParams
-from meshnet.client.transport import HttpTransport
 from meshnet.config import EntryConfig, NodeConfig, WireConfig, WireLimits
+from meshnet.entry.generation import Generator
+from meshnet.entry.role import load_entry_model, make_generator
+from meshnet.entry.routes import StaticRoutes
+from meshnet.entry.transport import HttpTransport
 from meshnet.models.loader import load_tokenizer
 from meshnet.models.source import default_gguf, resolve
 from meshnet.node.app import NodeService
 from meshnet.node.compute import compute_executor, pin_loop_thread
-from meshnet.node.entry import load_entry_model, make_generator
+from meshnet.text.events import Finished
+from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import LayerSpan
 from pipeline import DATA, free_port, median_s, wait_routable  # benchmarks/pipeline.py
 
@@ -109,12 +110,11 @@ def timed(
 def node_row(quant: str, fast: bool, short: list[int], long: list[int], n: int, r: int) -> Row:
     """An entry node holding every layer, through its generator (no remote hop)."""
     config = NodeConfig(quant=quant, fast_path=fast)
-    model = load_entry_model(config, LayerSpan(0, resolve("default").spec.num_layers))
-    service = NodeService([model.runner], WireLimits(), WireConfig())
+    span = LayerSpan(0, resolve("default").spec.num_layers)
+    model = load_entry_model(config, "default", "default", span)
+    service = NodeService([model.runner], WireLimits(), WireConfig(), node_id="bench")
     service.scheduler.worker = COMPUTE
-    generator = make_generator(
-        model, service, StaticRoutes([]), HttpTransport(), EntryConfig(), "bench"
-    )
+    generator = make_generator(model, service, StaticRoutes([]), HttpTransport(), EntryConfig())
 
     def run(ids: list[int], new: int) -> None:
         asyncio.run(generate(generator, ids, new))

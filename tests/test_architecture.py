@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,93 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshnet"
 HTTP_FRAMEWORKS = ("starlette", "fastapi", "httpx", "uvicorn", "aiohttp")
+
+
+# Which parts of meshnet each part may import: a package (its first name under meshnet) or a
+# top-level module. Roles sit above the shared base (types, errors, config, wire, observe,
+# security); the composition roots (`assemble`) above the roles; the CLI above all.
+BASE = {"types", "errors", "config"}
+ALLOWED: dict[str, set[str]] = {
+    "types": set(),
+    "errors": set(),
+    "config": {"types"},
+    "wire": {*BASE},
+    "http_errors": {"errors", "wire"},
+    "observe": {*BASE},
+    "security": {*BASE, "http_errors"},
+    "text": {"types", "errors"},  # no torch either: see below
+    "models": {*BASE, "observe"},
+    "tracker": {*BASE, "http_errors", "observe", "security", "models"},
+    "node": {*BASE, "wire", "http_errors", "observe", "security", "models", "tracker"},
+    "entry": {*BASE, "wire", "observe", "security", "models", "text", "node", "tracker"},
+    "api": {*BASE, "http_errors", "security", "text"},
+    "assemble": {*BASE, "observe", "security", "models", "api", "entry", "node", "tracker"},
+    "terminal": set(),
+    "status": {"security", "terminal"},
+    "demo": {"models", "observe", "security", "terminal"},
+    "cli": {*BASE, "observe", "security", "assemble", "demo", "status", "terminal"},
+}
+# edges allowed only into these modules: the control-plane protocol, sizing from a config
+ONLY: dict[tuple[str, str], set[str]] = {
+    ("node", "tracker"): {"meshnet.tracker.messages"},
+    ("tracker", "models"): {"meshnet.models.sizing", "meshnet.models.source"},
+}
+
+
+def part_of(path: Path) -> str:
+    """The part of meshnet `path` belongs to: its package, or its own name at the top."""
+    rel = path.relative_to(SRC).parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+def meshnet_imports(path: Path) -> set[str]:
+    """Every meshnet module `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative imports hide the direction"
+            module = node.module or ""
+            package = SRC.parent.joinpath(*module.split("."))
+            for alias in node.names:  # `from meshnet.tracker import messages`: a module
+                is_module = (package / f"{alias.name}.py").exists()
+                found.add(f"{module}.{alias.name}" if is_module else module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m.startswith("meshnet.")}
+
+
+def test_imports_between_parts_go_only_the_allowed_directions() -> None:
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "__init__.py":
+            continue
+        source = part_of(path)
+        for module in meshnet_imports(path):
+            target = module.split(".")[1]
+            if target == source:
+                continue
+            only = ONLY.get((source, target))
+            if target not in ALLOWED[source] or (only is not None and module not in only):
+                wrong.append(f"{path.relative_to(SRC)} imports {module}")
+    assert not wrong
+    assert set(ALLOWED) == {part_of(p) for p in SRC.rglob("*.py")} - {"__init__"}
+
+
+def test_the_roles_do_not_import_each_other_backwards() -> None:
+    """Spelled out, as the table above allows: nothing imports the entry role but the roots,
+    the node never imports the entry or the API, the API never the entry or the node."""
+    assert "entry" not in ALLOWED["node"] | ALLOWED["api"] | ALLOWED["tracker"]
+    assert not {"node", "entry", "tracker"} & ALLOWED["api"]
+    assert [p for p, deps in ALLOWED.items() if "assemble" in deps] == ["cli"]
+
+
+def test_text_generation_and_the_api_schemas_need_no_torch() -> None:
+    code = (
+        "import sys; import meshnet.text.params, meshnet.text.events, meshnet.text.stops, "
+        "meshnet.text.decoding, meshnet.text.codec, meshnet.api.schemas, meshnet.api.app; "
+        "print('torch' in sys.modules)"
+    )
+    assert python_says(code) == "False"
 
 
 def modules_after_import(module: str) -> set[str]:
@@ -31,7 +119,7 @@ def python_says(code: str) -> str:
 
 def test_tracker_never_imports_torch() -> None:
     code = (
-        "import sys; from meshnet.tracker.serve import build_registry; "
+        "import sys; from meshnet.tracker.offers import build_registry; "
         "from meshnet.config import TrackerConfig; build_registry(TrackerConfig()); "
         "print(sorted(m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules))"
     )

@@ -58,7 +58,9 @@ class NodeConfig:
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
     kv_reserve_fraction: float = 0.1  # share of the budget kept for KV caches
     data_dir: str | None = None  # keeps the node id across restarts; None = ~/.meshnet/node-PORT
-    entry: bool = False  # also hold the head and serve the OpenAI-compatible API (needs layer 0)
+    # may be an entry: a span from layer 0 (given by hand or by the tracker) comes with the
+    # head and tokenizer, and the node serves the OpenAI-compatible API for that model
+    entry: bool = True
     drain_timeout_s: float = 10.0  # on SIGTERM, calls in flight get this long to finish
 
 

@@ -1,7 +1,10 @@
 """`meshnet generate` and `meshnet chat`: terminal clients of an entry node's API.
 
-They speak the OpenAI-compatible API over HTTP (server-sent events), like any other client;
-`--tracker URL` is the address of the tracker-as-entry-node (or of any entry node).
+They speak the OpenAI-compatible API over HTTP (server-sent events), like any other client.
+`--tracker URL` is a tracker (or any entry node): they ask it for the model's entries
+(`/v1/entries`) and send each request to the least loaded one directly, so the answer does
+not pass through the tracker; an entry that cannot be reached or refuses before answering
+(401, 403, 5xx) is skipped, and the tracker itself is the last resort.
 """
 
 from __future__ import annotations
@@ -44,11 +47,46 @@ def first_model(client: httpx.Client) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+SKIPPED = (401, 403, 500, 502, 503, 504)  # an entry answering these: try the next one
+
+
+class Skip(Exception):
+    """This entry refused before answering; the next one may not."""
+
+
+def entry_urls(client: httpx.Client, model: str) -> list[str]:
+    """The entries of `model` the tracker at `client` lists, least loaded first; none when
+    it is not a tracker (an entry node has no `/v1/entries`) or cannot say."""
+    try:
+        response = client.get("/v1/entries", params={"model": model})
+        listed = response.json()["entries"] if response.status_code == 200 else []
+        return [str(e["address"]) for e in listed]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
+
+
 def stream(client: httpx.Client, options: GenerateOptions, body: dict[str, Any]) -> Iterator[str]:
-    """Text pieces as they arrive from `/v1/chat/completions` or, with `prompt`, completions."""
+    """Text pieces as they arrive from `/v1/chat/completions` or, with `prompt`, completions:
+    from the model's least loaded entry that answers, else from `client` itself."""
+    model = options.model or first_model(client)
+    for url in entry_urls(client, model):
+        if url.rstrip("/") == str(client.base_url).rstrip("/"):
+            continue  # the tracker-as-node itself: asked last anyway
+        with api_client(url, options) as direct:
+            try:
+                yield from _stream(direct, options, body, model, skip=True)
+                return
+            except (Skip, httpx.ConnectError, httpx.ConnectTimeout):
+                continue
+    yield from _stream(client, options, body, model, skip=False)
+
+
+def _stream(
+    client: httpx.Client, options: GenerateOptions, body: dict[str, Any], model: str, skip: bool
+) -> Iterator[str]:
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     body = body | {
-        "model": options.model or first_model(client),
+        "model": model,
         "max_tokens": options.max_tokens,
         "temperature": options.temperature,
         "top_p": options.top_p,
@@ -57,16 +95,21 @@ def stream(client: httpx.Client, options: GenerateOptions, body: dict[str, Any])
         "stop": list(options.stop) or None,
         "stream": True,
     }
-    for event in events(client, path, body):
+    for event in events(client, path, body, skip):
         for choice in event.get("choices", []):
             yield choice.get("text") or choice.get("delta", {}).get("content") or ""
 
 
-def events(client: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The JSON events of one server-sent event stream; raises `ApiError` on errors."""
+def events(
+    client: httpx.Client, path: str, body: dict[str, Any], skip: bool = False
+) -> Iterator[dict[str, Any]]:
+    """The JSON events of one server-sent event stream; raises `ApiError` on errors (`Skip`
+    for a refusal in `SKIPPED`, when `skip`)."""
     with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             response.read()
+            if skip and response.status_code in SKIPPED:
+                raise Skip(response.status_code)
             check_response(response)
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

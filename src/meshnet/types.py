@@ -1,4 +1,4 @@
-"""Shared value types: the half-open layer span and typed identifiers."""
+"""Shared value types: the half-open layer span, typed identifiers, a route's hop."""
 
 from __future__ import annotations
 
@@ -92,3 +92,15 @@ class LayerSpan:
         if len(parts) != 2 or not all(p.isdigit() for p in parts):
             raise ValueError(f"expected a layer span 'start:end' with integers, got {text!r}")
         return cls(int(parts[0]), int(parts[1]))
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One node of a route and the span it runs for us."""
+
+    node_id: NodeId
+    address: str  # http://host:port
+    span: LayerSpan
+
+    def __str__(self) -> str:
+        return f"{self.node_id} ({self.address}) layers {self.span}"

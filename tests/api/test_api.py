@@ -20,8 +20,8 @@ from meshnet.errors import MissingLayersError, SessionError
 from meshnet.node.runner import EchoRunner
 from meshnet.types import LayerSpan
 from meshnet.wire import FrameMeta
-from tests.client.fakes import MODEL, fake_mesh
 from tests.conftest import run
+from tests.entry.fakes import MODEL, fake_mesh
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from meshnet.api.app import create_app
 from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import LimitError
 from meshnet.security.limits import ClientLimiter
-from tests.client.fakes import fake_mesh
 from tests.conftest import run
+from tests.entry.fakes import fake_mesh
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -13,12 +14,14 @@ import httpx
 import pytest
 
 from meshnet.security.signing import Signer
+from meshnet.terminal import GenerateOptions, run_generate
 from tests.e2e.procs import free_port, get_json, start, stop, wait_for
 
 HEARTBEAT_S, DEAD_AFTER_S = 0.5, 2.0
 # fp32 layers of the default model are 14,160,384 bytes; with the 10% KV reserve, 165 MB
 # holds exactly 10 of them, so three nodes must split the 30 layers three ways.
 BUDGET = "165MB"
+ENTRY_BUDGET = "290MB"  # the fp32 head (113,248,512 bytes) and ten layers
 KEY = "tracker-mesh-test-swarm-key"
 ENV = {**os.environ, "MESHNET_SWARM_KEY": KEY}
 
@@ -81,8 +84,11 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
 @pytest.mark.slow
 def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str, Any]) -> None:
     url, procs = cluster["url"], cluster["procs"]
-    for name in ("n1", "n2", "n3"):
-        cluster["add_node"](name)
+    # layer 0 goes only to a node that may be an entry, with room for the head (113 MB fp32)
+    # and ten layers; the other two are plain and take the rest, ten layers each
+    cluster["add_node"]("n1", ENTRY_BUDGET)
+    for name in ("n2", "n3"):
+        cluster["add_node"](name, BUDGET, "--no-entry")
     wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 120, "full coverage")
     coverage = get_json(f"{url}/v1/coverage")
     assert sorted(s for v in spans(coverage).values() for s in v) == [(0, 10), (10, 20), (20, 30)]
@@ -154,9 +160,11 @@ def test_a_tracker_without_layers_forwards_clients_to_its_entries(cluster: dict[
     url, procs = cluster["url"], cluster["procs"]
     for name in ("e1", "e2"):
         cluster["add_node"](name, "", "--entry", "--layers", "0:10")
+    # plain nodes join once the entries hold 0:10 (the planner cannot re-cut a span that a
+    # node took before: ADR-0028); they take 10:20 and 20:30
+    wait_for(lambda: len(entries(url)) == 2, 180, "two entries")
     for name in ("n1", "n2"):
         cluster["add_node"](name)
-    wait_for(lambda: len(entries(url)) == 2, 180, "two entries")
     wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 180, "the chain")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["default"]
@@ -181,6 +189,58 @@ def test_a_tracker_without_layers_forwards_clients_to_its_entries(cluster: dict[
     again = client.chat.completions.create(messages=question, **ask)  # type: ignore[call-overload]
     assert again.choices[0].message.content == first.choices[0].message.content
     assert [e["address"] for e in entries(url)] != [chosen]
+
+
+@pytest.mark.slow
+def test_the_planner_makes_entries_of_plain_nodes_and_clients_fail_over_to_the_second(
+    cluster: dict[str, Any],
+) -> None:
+    """Issue #19, done when: a tracker with no layers and nodes with no `--entry` flag; the
+    planner gives layer 0 (with the head) to a node that may be an entry, then a second
+    entry; the `openai` client asks the tracker; SIGKILL the entry that answered and the
+    next request is answered by the other one."""
+    import openai
+
+    url, procs = cluster["url"], cluster["procs"]
+    node_ids = lambda: {n["node_id"] for n in get_json(f"{url}/v1/coverage")["nodes"]}  # noqa: E731
+    # 300 MB without a head holds 19 layers; 350 MB holds the head and 14
+    cluster["add_node"]("plain", "300MB", "--no-entry")
+    wait_for(lambda: len(node_ids()) == 1, 120, "the plain node to register")
+    cluster["add_node"]("a", "350MB")
+    wait_for(lambda: len(entries(url)) == 1, 180, "the planner's first entry")
+    wait_for(lambda: model(get_json(f"{url}/v1/coverage"))["routable"], 180, "the chain")
+    cluster["add_node"]("b", "350MB")
+    wait_for(lambda: len(entries(url)) == 2, 180, "a second entry")
+    held = spans(get_json(f"{url}/v1/coverage"))
+    assert sorted(held.values()) == [[(0, 14)], [(0, 14)], [(14, 30)]]
+    reasons = [d["reason"] for d in get_json(f"{url}/v1/coverage")["recent_directives"]]
+    assert any("an entry of default (1 before)" in r for r in reasons)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0)
+    ask = {"model": "default", "temperature": 0, "max_tokens": 12}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(messages=question, **ask)  # type: ignore[call-overload]
+    assert first.choices[0].message.content == "The capital of France is Paris."
+    route = first.model_extra["meshnet"]["route"]  # type: ignore[index]
+    assert [h["span"] for h in route] == ["0:14", "14:30"]  # its own span, then the plain node
+    victim = next(n for n in ("a", "b") if _node_id(cluster, n) == route[0]["node_id"])
+    procs[victim].kill()
+    procs[victim].wait()
+    # at once: until the dead-node check the tracker still lists the dead entry; a call it
+    # forwards there cannot connect and goes on to the other one
+    again = client.chat.completions.create(messages=question, **ask)  # type: ignore[call-overload]
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.model_extra["meshnet"]["route"][0]["node_id"] != route[0]["node_id"]  # type: ignore[index]
+    # `meshnet generate --tracker` asks /v1/entries and goes to an entry directly: the dead
+    # one (if still listed) cannot be reached, the live one answers
+    out = io.StringIO()
+    options = GenerateOptions(temperature=0, max_tokens=12)
+    assert run_generate(url, "What is the capital of France?", options, out=out) == 0
+    assert out.getvalue().strip() == first.choices[0].message.content
+
+
+def _node_id(cluster: dict[str, Any], name: str) -> str:
+    return (cluster["logs"] / name / "node_id").read_text().strip()
 
 
 def entries(url: str, model_name: str = "default") -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
 from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId
-from tests.client.fakes import fake_mesh
+from tests.entry.fakes import fake_mesh
 from tests.fuzz.harness import API_KEY, KEY, SigningProxy, record, report
 
 pytestmark = pytest.mark.slow

@@ -10,19 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshnet.client.generation import Finished, GenerationParams, Generator
-from meshnet.client.routes import StaticRoutes
-from meshnet.client.sampling import SamplingParams
-from meshnet.client.transport import HttpTransport
+from meshnet.assemble.node import node_service
 from meshnet.config import AccessConfig, EntryConfig, NodeConfig
+from meshnet.entry.generation import Generator
+from meshnet.entry.role import load_entry_model, make_generator
+from meshnet.entry.routes import StaticRoutes
+from meshnet.entry.transport import HttpTransport
 from meshnet.errors import ComputeError, LimitError, SessionError
 from meshnet.models.cache import cache_length, new_cache
 from meshnet.models.loader import load_shard
 from meshnet.models.source import resolve
-from meshnet.node.entry import entry_service, load_entry_model, make_generator
 from meshnet.node.scheduler import Failed
-from meshnet.node.serve import registration
 from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.text.events import Finished
+from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta
 
@@ -168,10 +169,11 @@ def test_concurrent_generations_give_the_tokens_each_gives_alone(quant: str) -> 
     """The default model, one entry holding all 30 layers: four chats at once (their decode
     steps batched in the span and in the head) give the greedy tokens each gives alone."""
     config = NodeConfig(quant=quant, compile=False, port=0)  # type: ignore[arg-type]
-    model = load_entry_model(config, LayerSpan(0, 30))
-    service = entry_service(config, model, registration(config), AccessConfig())
+    model = load_entry_model(config, "default", "default", LayerSpan(0, 30))
+    service = node_service(config, "entry", AccessConfig())
+    service.shards.add(model.runner)
     generator = make_generator(
-        model, service, StaticRoutes([]), HttpTransport(), EntryConfig(seed=0), "entry"
+        model, service, StaticRoutes([]), HttpTransport(), EntryConfig(seed=0)
     )
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:

@@ -140,3 +140,24 @@ def test_heartbeats_carry_live_load_into_route_choice() -> None:
         await client.aclose()
 
     run(scenario())
+
+
+def test_loaded_and_dropped_spans_reach_the_hooks_on_the_loop() -> None:
+    """The entry role hangs on these: a span that serves is handed to `on_load`, a DROP is
+    handed to `on_drop` (here: the tracker stops offering the model)."""
+
+    async def scenario() -> None:
+        registry, client = tracker()
+        node = agent(client, "a", 100)
+        seen: list[tuple[str, str, LayerSpan]] = []
+        node.on_load = lambda runner: seen.append(("load", runner.model, runner.span))
+        node.on_drop = lambda model, span: seen.append(("drop", model, span))
+        await settle(node)
+        assert seen == [("load", "m", LayerSpan(0, 8))]
+        registry.offers.clear()  # no longer offered: its holders are told to drop it
+        registry.dirty = True
+        await settle(node, beats=2)
+        assert seen[1:] == [("drop", "m", LayerSpan(0, 8))] and not node.service.shards
+        await client.aclose()
+
+    run(scenario())

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from meshnet.config import NodeConfig
+from meshnet.entry.role import entry_budget, entry_span
 from meshnet.errors import ModelError
 from meshnet.models.sizing import head_bytes, layer_bytes
 from meshnet.models.source import resolve
-from meshnet.node.entry import entry_budget, entry_span
 from meshnet.types import LayerSpan
 
 SPEC = resolve("default").spec
@@ -45,13 +45,14 @@ def test_entry_span_refusals(config: NodeConfig) -> None:
         entry_span(config)
 
 
-def test_registered_budget_is_just_the_span_without_a_budget() -> None:
+def test_registered_budget_is_just_the_span_and_head_without_a_budget() -> None:
     budget = entry_budget(NodeConfig(quant="fp32"), LayerSpan(0, 10))
-    assert 10 * LAYER <= budget * 0.9 < 11 * LAYER  # the planner gives it nothing more
+    # the planner counts the head of an entry span: it gives this node nothing more
+    assert HEAD + 10 * LAYER <= budget * 0.9 < HEAD + 11 * LAYER
 
 
-def test_registered_budget_leaves_out_the_head_and_refuses_too_little() -> None:
+def test_registered_budget_is_the_budget_given_and_must_hold_head_and_span() -> None:
     config = NodeConfig(quant="fp32", budget_bytes=HEAD + 20 * LAYER)
-    assert entry_budget(config, LayerSpan(0, 10)) == 20 * LAYER
+    assert entry_budget(config, LayerSpan(0, 10)) == HEAD + 20 * LAYER
     with pytest.raises(ModelError, match="cannot hold the head"):
         entry_budget(NodeConfig(quant="fp32", budget_bytes=HEAD), LayerSpan(0, 10))

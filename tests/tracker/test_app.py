@@ -290,11 +290,12 @@ def test_entries_lists_live_entry_nodes_of_a_model_least_loaded_first(
 ) -> None:
     client, clock = mesh
     head = [{"model": "m", "span": {"start": 0, "end": 10}}]
-    register(client, "e1", 100, loaded=head, entry=True)
-    register(client, "plain", 100, loaded=head)  # holds 0:10 but runs no head: not an entry
+    pinned = {"loaded": head, "keeps_entry": True}  # entries started by hand: never re-planned
+    register(client, "e1", 100, **pinned)
+    register(client, "plain", 100, loaded=head, entry=False)  # `--no-entry`: runs no head
     clock.now = 10.0  # e1 goes late (interval 2 s)
-    register(client, "e2", 100, loaded=head, entry=True)
-    register(client, "e3", 100, loaded=head, entry=True)
+    register(client, "e2", 100, **pinned)
+    register(client, "e3", 100, **pinned)
     client.post("/v1/nodes/heartbeat", json={"node_id": "e2", "loaded": head, "sessions": 3})
     client.post("/v1/nodes/heartbeat", json={"node_id": "e3", "loaded": head, "sessions": 1})
     answer = client.get("/v1/entries", params={"model": "m"})

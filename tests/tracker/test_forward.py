@@ -42,6 +42,7 @@ def node(name: str, start: int, end: int, *, entry: bool = False) -> msg.Registe
         throughput=1.0,
         loaded=[msg.ShardRef(model="m", span={"start": start, "end": end})],  # type: ignore[arg-type]
         entry=entry,
+        keeps_entry=entry,  # started by hand (`--entry --layers 0:10`)
     )
 
 

@@ -59,8 +59,9 @@ def test_a_new_node_gets_exactly_the_gap() -> None:
 def test_best_fit_prefers_the_smallest_node_that_closes_the_gap() -> None:
     result = loads(plan([offer("m", 10)], [node("big", 500), node("fit", 100), node("x", 50)]))
     assert result["fit"] == ("m", LayerSpan(0, 10))
-    assert result["big"] == ("m", LayerSpan(0, 10))  # then a replica: the model is covered
-    assert result["x"] == ("m", LayerSpan(0, 5))  # too small for a copy: half a second chain
+    assert result["big"] == ("m", LayerSpan(0, 10))  # then a second entry: the model is covered
+    # two entries hold every layer: routes start after them, a third half copy serves nobody
+    assert "x" not in result
 
 
 def test_quantization_changes_how_much_fits() -> None:
@@ -80,11 +81,14 @@ def test_redundancy_copies_the_least_served_layers() -> None:
         node("a", 100, Holding(M("m"), LayerSpan(0, 5)), throughput=5.0),
         node("b", 100, Holding(M("m"), LayerSpan(5, 10)), throughput=1.0),
     ]
-    directives = plan([offer("m", 10)], [*held, node("c", 50)])
+    plain = replace(node("c", 50), entry=False)
+    directives = plan([offer("m", 10)], [*held, plain])
     assert loads(directives)["c"] == ("m", LayerSpan(5, 10))  # b is the slower copy
     assert all("replica" in d.reason for d in directives)
-    # room for the whole model: one copy of all of it, a second chain in one hop
-    assert loads(plan([offer("m", 10)], [*held, node("c", 100)]))["c"] == ("m", LayerSpan(0, 10))
+    # an entry node with room for the whole model: a second entry, a second chain in one hop
+    directives = plan([offer("m", 10)], [*held, node("c", 100)])
+    assert loads(directives)["c"] == ("m", LayerSpan(0, 10))
+    assert "makes c an entry" in directives[0].reason
 
 
 def test_failed_loads_go_elsewhere() -> None:
@@ -261,23 +265,55 @@ def test_p3_idle_nodes_too_small_for_a_copy_build_a_second_chain() -> None:
 
 
 def test_p4_no_copies_of_the_entry_span_on_plain_nodes() -> None:
-    mesh = [held("entry", 0, 10, entry=True), held("b", 10, 20), held("c", 20, 30)]
-    assert ops(plan([offer("m", 30)], [*mesh, node("d", 100)])) == [("LOAD_SHARD", "d", "10:20")]
+    mesh = [held("entry", 0, 10), held("b", 10, 20), held("c", 20, 30)]
+    plain = replace(node("d", 100), entry=False)  # `--no-entry`: never a span from layer 0
+    assert ops(plan([offer("m", 30)], [*mesh, plain])) == [("LOAD_SHARD", "d", "10:20")]
     # a plain copy of 0:10 from before is dropped, and the node gets useful work
-    directives = plan([offer("m", 30)], [*mesh, held("d", 0, 10)])
+    directives = plan([offer("m", 30)], [*mesh, held("d", 0, 10, entry=False)])
     assert ops(directives) == [("DROP_SHARD", "d", "0:10"), ("LOAD_SHARD", "d", "10:20")]
     assert "routes start after" in directives[0].reason
-    # two entries: neither head span is ever dropped to make room, though one is redundant
-    entries = [held("e1", 0, 10, entry=True), held("e2", 0, 10, entry=True), held("b", 10, 20)]
-    assert plan([offer("m", 30)], entries) == []
-    # an entry node may copy the head span (it runs the head itself)
-    extra = NodeView(NodeId("e2"), 100 * MB, "fp32", 1.0, entry=True)
-    assert loads(plan([offer("m", 30)], [*mesh, extra]))["e2"] == ("m", LayerSpan(0, 10))
+    # an entry node becomes the second entry (it runs the head itself)
+    directives = plan([offer("m", 30)], [*mesh, node("e2", 100)])
+    assert ops(directives) == [("LOAD_SHARD", "e2", "0:10")]
+    assert "makes e2 an entry of m (1 before)" in directives[0].reason
+
+
+def test_coverage_before_a_second_entry_but_never_the_last_nor_one_given_by_hand() -> None:
+    two = [held("e1", 0, 10), held("e2", 0, 10), held("b", 10, 20)]
+    # 20:30 is missing: one of two entries goes to close it (coverage first)
+    assert ops(plan([offer("m", 30)], two)) == [
+        ("DROP_SHARD", "e1", "0:10"),
+        ("LOAD_SHARD", "e1", "20:30"),
+    ]
+    # entry spans given by hand (`--layers 0:K`, the tracker-as-node) stay: the gap stays
+    pinned = [replace(n, keeps_entry=True) for n in two[:2]]
+    assert plan([offer("m", 30)], [*pinned, two[2]]) == []
+    # the last entry never goes, even when a plain node could take its place
+    last = [held("e1", 0, 10), held("p", 0, 10, entry=False), held("b", 10, 20)]
+    assert ops(plan([offer("m", 30)], last)) == [
+        ("DROP_SHARD", "p", "0:10"),
+        ("LOAD_SHARD", "p", "20:30"),
+    ]
+
+
+def test_an_entry_costs_its_head_and_only_entry_nodes_get_layer_0() -> None:
+    headed = ModelOffer(M("m"), 10, {"fp32": 10 * MB}, {"fp32": 30 * MB})
+    # 100 MB hold the head (30) and 7 layers; a plain node takes the rest
+    nodes = [node("e", 100), replace(node("p", 100), entry=False)]
+    assert loads(plan([headed], nodes)) == {
+        "e": ("m", LayerSpan(0, 7)),
+        "p": ("m", LayerSpan(7, 10)),
+    }
+    # no entry node: nobody is given layer 0, and the gap names it
+    plain = [replace(node(n, 200), entry=False) for n in ("p", "q")]
+    assert loads(plan([headed], plain)) == {}
 
 
 def test_p6_a_node_smaller_than_every_span_gets_a_finer_one() -> None:
     mesh = [held("a", 0, 10), held("b", 10, 20), held("c", 20, 30)]
-    assert ops(plan([offer("m", 30)], [*mesh, node("d", 90)])) == [("LOAD_SHARD", "d", "0:9")]
+    # 0:9 would not make d an entry (no chain goes on from 9): it copies from where routes
+    # start, after the entry's span
+    assert ops(plan([offer("m", 30)], [*mesh, node("d", 90)])) == [("LOAD_SHARD", "d", "10:19")]
 
 
 def test_the_last_copy_and_copies_a_chain_needs_are_never_dropped() -> None:

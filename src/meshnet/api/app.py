@@ -13,23 +13,36 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshnet import __version__
 from meshnet.api import schemas
-from meshnet.client.generation import Delta, Event, Finished, GenerationParams, Generator
 from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import MeshError, RequestError, UnknownModelError
 from meshnet.http_errors import install_error_handlers
 from meshnet.security.access import Credentials, Guard, Rule, client_of, rule
 from meshnet.security.limits import ClientLimiter
+from meshnet.text.codec import TextCodec
+from meshnet.text.events import Delta, Event, Finished
+from meshnet.text.params import GenerationParams
 
 log = logging.getLogger(__name__)
 Render = Callable[[str | None, Finished | None, bool], dict[str, Any]]  # (text, end, first)
 Elsewhere = Callable[[Request], Awaitable[Response]]  # answers a call for a model not served here
+
+
+class Generator(Protocol):
+    """What the API needs of a served model (`meshnet.entry.generation.Generator` is one)."""
+
+    codec: TextCodec
+    max_context: int  # prompt + generated tokens, at most
+
+    def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
+        """Text deltas, then one `Finished`."""
+        ...
 
 
 def access_rules(limits: ApiLimits) -> list[Rule]:
@@ -50,12 +63,15 @@ def create_app(
     access: AccessConfig = AccessConfig(),
     limiter: ClientLimiter | None = None,
     extra_rules: Sequence[Rule] = (),
+    guarded: bool = True,
 ) -> FastAPI:
-    """A FastAPI app serving the API (entry nodes add their node routes and `extra_rules`)."""
+    """A FastAPI app serving the API, behind its access guard unless not `guarded` (a node
+    mounting it checks access itself, with `access_rules` among its own)."""
     app = FastAPI(title="meshnet API", version=__version__)
     install_error_handlers(app)
-    rules = [*access_rules(limits), *extra_rules]
-    app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
+    if guarded:
+        rules = [*access_rules(limits), *extra_rules]
+        app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
     app.include_router(api_router(generators, default_max_tokens, limits, limiter))
     return app
 

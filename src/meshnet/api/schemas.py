@@ -11,8 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from meshnet.client.generation import GenerationParams
-from meshnet.client.sampling import SamplingParams
+from meshnet.text.params import GenerationParams, SamplingParams
 
 MAX_STOPS = 4
 MAX_TEXT_CHARS = 1_000_000

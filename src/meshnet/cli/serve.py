@@ -40,8 +40,11 @@ def add_serve_commands(sub: Any) -> None:
     node.add_argument("--data-dir", help="where the node keeps its id (default ~/.meshnet)")
     node.add_argument(
         "--entry",
-        action="store_true",
-        help="also hold the head and serve the OpenAI-compatible API (needs --layers 0:K)",
+        action=argparse.BooleanOptionalAction,
+        default=default.entry,
+        help="may serve as an entry: a span from layer 0 (by --layers 0:K or from the tracker) "
+        "comes with the head, and the node answers the OpenAI-compatible API for its model "
+        "(default: on; the tracker gives layer 0 only where the head fits the budget)",
     )
     add_node_flags(node)
     add_access_flags(node)
@@ -237,11 +240,11 @@ def run_tracker(args: argparse.Namespace) -> int:
     if not access.api_keys and not access.allow_unauthenticated:
         logging.getLogger(__name__).info("no API keys: the API answers loopback clients only")
     if args.layers is None and args.budget is None:
-        from meshnet.tracker.serve import serve as serve_tracker
+        from meshnet.assemble.tracker import serve_tracker
 
         serve_tracker(tracker_config(args), access)
         return 0
-    from meshnet.node.entry import serve_tracker_node
+    from meshnet.assemble.tracker import serve_tracker_node
 
     config, entry = tracker_node_config(args), entry_config(args)
     serve_tracker_node(tracker_config(args), config, entry, access, api_limits(args))
@@ -250,12 +253,7 @@ def run_tracker(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     access, _ = access_config(args, create_key=args.tracker is None)
-    if args.entry:
-        from meshnet.node.entry import serve_entry
+    from meshnet.assemble.node import serve
 
-        serve_entry(node_config(args), entry_config(args), access, api_limits(args))
-        return 0
-    from meshnet.node.serve import serve
-
-    serve(node_config(args), access)
+    serve(node_config(args), access, entry_config(args), api_limits(args))
     return 0

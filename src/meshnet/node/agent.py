@@ -61,11 +61,15 @@ class NodeAgent:
         client: httpx.AsyncClient,
         registration: msg.RegisterRequest,
         loader: Loader,
+        on_load: Callable[[ShardRunner], object] = lambda runner: None,
+        on_drop: Callable[[str, LayerSpan], object] = lambda model, span: None,
     ) -> None:
         self.service = service
         self.client = client  # base_url = the tracker
         self.registration = registration
         self.loader = loader
+        self.on_load = on_load  # on the event loop, once a loaded span serves
+        self.on_drop = on_drop  # ... once a span is dropped
         self.interval_s = 2.0
         self.loading: dict[tuple[str, LayerSpan], asyncio.Task[None]] = {}
         self.failed: list[msg.ShardFailure] = []
@@ -152,6 +156,7 @@ class NodeAgent:
             key = (d.model, d.span)
             if d.op == "DROP_SHARD":
                 self.service.shards.remove(d.model, d.span)
+                self.on_drop(d.model, d.span)
             elif key not in self.service.shards and key not in self.loading:
                 self.loading[key] = asyncio.create_task(self._load(d))
 
@@ -162,6 +167,7 @@ class NodeAgent:
                 self.service.scheduler.worker, self.loader, d.model, d.source, d.span
             )
             self.service.shards.add(runner)
+            self.on_load(runner)
             log.info("loaded %s layers %s", d.model, d.span)
         except Exception as exc:  # a load is a task boundary: report, let the tracker re-plan
             log.exception("loading %s layers %s failed", d.model, d.span)

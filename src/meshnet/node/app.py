@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from meshnet import __version__
 from meshnet.config import AccessConfig, WireConfig, WireLimits
@@ -230,15 +231,19 @@ def create_app(
     service: NodeService | None = None,
     lifespan: Lifespan | None = None,
     access: AccessConfig = AccessConfig(),
+    api: ASGIApp | None = None,
+    api_rules: Sequence[Rule] = (),
 ) -> Starlette:
     """The node's ASGI app around `runner` (or a prepared `service` with many runners).
 
     Plain Starlette: the activation plane is on every token's path, and FastAPI's layers
     (parameter machinery, extra middleware) cost a measurable share of a hop. The JSON apps
-    (tracker, API) use FastAPI for schemas and OpenAPI.
+    (tracker, API) use FastAPI for schemas and OpenAPI. An entry's `api` (with its access
+    `api_rules`) answers every path the node's own routes do not.
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
-    guard = Middleware(Guard, rules=access_rules(limits), credentials=Credentials(access))
+    rules = [*access_rules(limits), *api_rules]
+    guard = Middleware(Guard, rules=rules, credentials=Credentials(access))
     if access.swarm_key:
         service.swarm_key = SwarmKey.from_text(access.swarm_key)
     app = Starlette(middleware=[Middleware(WireVersionHeader), guard], lifespan=lifespan)
@@ -246,6 +251,8 @@ def create_app(
     add_node_routes(app, service)
     add_metrics_route(app, service.metrics)
     app.add_route("/health", service.health, methods=["GET"])
+    if api is not None:
+        app.mount("", api)  # after the node's routes: only what they leave
     return app
 
 

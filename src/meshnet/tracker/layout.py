@@ -17,11 +17,13 @@ from meshnet.types import LayerSpan, ModelId, NodeId
 
 @dataclass(frozen=True)
 class ModelOffer:
-    """A model the tracker offers: its depth and bytes per layer at each quantization."""
+    """A model the tracker offers: its depth, bytes per layer and of the head per quant."""
 
     model: ModelId
     num_layers: int
     layer_bytes: Mapping[str, int]  # quant -> bytes of one layer's weights
+    # quant -> bytes of embeddings, final norm and LM head, which an entry holds beside 0:k
+    head_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,10 @@ class NodeView:
     holdings: tuple[Holding, ...] = ()
     models: frozenset[ModelId] | None = None  # None: any offered model
     failed: frozenset[tuple[ModelId, LayerSpan]] = field(default_factory=frozenset)
-    entry: bool = False  # serves clients: its holdings from layer 0 run with the head
+    # may serve clients: its holdings from layer 0 run with the head, and only such nodes
+    # get spans from layer 0 (entry spans)
+    entry: bool = True
+    keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): it stays
     sessions: int = 0  # sessions it holds now
 
 
@@ -124,14 +129,27 @@ class Layout:
     def idle(self, node_id: NodeId) -> bool:
         return node_id not in self.taken and not self.by_node[node_id]
 
+    def entries(self, model: ModelId) -> int:
+        """Entry nodes holding (or loading) a span of `model` from layer 0."""
+        return len({h.node_id for h in self.holds[model] if self._entry_hold(h)})
+
+    def _entry_hold(self, hold: Hold) -> bool:
+        return hold.span.start == 0 and self.nodes[hold.node_id].entry
+
+    def _other_entry(self, model: ModelId, hold: Hold) -> bool:
+        """Whether another (loaded, when `hold` is) entry span of `model` stays without it;
+        never for an entry span given by hand."""
+        if self.nodes[hold.node_id].keeps_entry:
+            return False
+        return any(
+            h.node_id != hold.node_id and self._entry_hold(h) and (h.loaded or not hold.loaded)
+            for h in self.holds[model]
+        )
+
     def entry_end(self, model: ModelId) -> int | None:
         """Where routes from this model's entries start (the shortest entry span), or None."""
         if model not in self._entry_end:
-            ends = [
-                h.span.end
-                for h in self.holds[model]
-                if h.span.start == 0 and self.nodes[h.node_id].entry
-            ]
+            ends = [h.span.end for h in self.holds[model] if self._entry_hold(h)]
             self._entry_end[model] = min(ends) if ends else None
         return self._entry_end[model]
 
@@ -164,6 +182,20 @@ class Layout:
         per_layer = self.per_layer(node, model)
         return max(0, self.free[node.node_id] + extra_bytes) // per_layer if per_layer else 0
 
+    def room(self, node: NodeView, model: ModelId, start: int, extra_bytes: int = 0) -> int:
+        """Layers of `model` from layer `start` that fit `node`: a span from layer 0 is an
+        entry span, only for entry nodes, and its head takes room first."""
+        if start > 0:
+            return self.capacity(node, model, extra_bytes)
+        if not node.entry:
+            return 0
+        head = self.offers[model].head_bytes.get(node.quant, 0)
+        return self.capacity(node, model, extra_bytes - head)
+
+    def continues(self, model: ModelId) -> set[int]:
+        """Positions from which a chain of `model`'s holdings reaches its last layer."""
+        return reach_back(self.offers[model].num_layers, self.spans(model))
+
     def load(self, node: NodeView, model: ModelId, span: LayerSpan, reason: str) -> None:
         self._add(model, Hold(node.node_id, span, False))
         self.taken.add(node.node_id)
@@ -184,8 +216,8 @@ class Layout:
         A loaded copy is judged against the other loaded copies only (a copy still loading
         serves nobody yet), so sessions on it always have a loaded copy to fail over to.
         """
-        if hold.span.start == 0 and self.nodes[hold.node_id].entry:
-            return False  # an entry's head span is its own (pinned with the head), not ours
+        if self._entry_hold(hold) and not self._other_entry(model, hold):
+            return False  # the last door to the model
         copies = self.live[model] if hold.loaded else self.copies[model]
         if any(copies[i] < 2 for i in hold.span):
             return False  # the last (loaded) copy of some layer
@@ -218,8 +250,11 @@ class Layout:
         self._count(model, hold, 1)
 
     def bytes_of(self, model: ModelId, hold: Hold) -> int:
+        """Bytes `hold` takes of its node's budget: its layers, and the head for an entry span."""
         quant = self.nodes[hold.node_id].quant
-        return len(hold.span) * self.offers[model].layer_bytes.get(quant, 0)
+        offer = self.offers[model]
+        head = offer.head_bytes.get(quant, 0) if self._entry_hold(hold) else 0
+        return len(hold.span) * offer.layer_bytes.get(quant, 0) + head
 
     def _count(self, model: ModelId, hold: Hold, sign: int) -> None:
         node = self.nodes[hold.node_id]
@@ -247,6 +282,12 @@ def reach(num_layers: int, spans: Iterable[LayerSpan]) -> set[int]:
     return reached
 
 
+def reach_back(num_layers: int, spans: Iterable[LayerSpan]) -> set[int]:
+    """Positions from which a chain of `spans` reaches the last layer (it included)."""
+    mirrored = [LayerSpan(num_layers - min(s.end, num_layers), num_layers - s.start) for s in spans]
+    return {num_layers - p for p in reach(num_layers, mirrored)}
+
+
 def first_break(num_layers: int, spans: Sequence[LayerSpan]) -> LayerSpan | None:
     """The layers a new span must cover for a chain to exist, or None when one exists.
 
@@ -256,7 +297,6 @@ def first_break(num_layers: int, spans: Sequence[LayerSpan]) -> LayerSpan | None
     forward = reach(num_layers, spans)
     if num_layers in forward:
         return None
-    mirrored = [LayerSpan(num_layers - min(s.end, num_layers), num_layers - s.start) for s in spans]
-    backward = {num_layers - p for p in reach(num_layers, mirrored)}
+    backward = reach_back(num_layers, spans)
     start = max(forward)
     return LayerSpan(start, min(p for p in backward if p > start))

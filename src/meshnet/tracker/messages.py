@@ -55,7 +55,10 @@ class RegisterRequest(Message):
     quant: Quant
     throughput: float = Field(gt=0, le=1e12, allow_inf_nan=False)  # measured at start-up
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
-    entry: bool = False  # it serves clients: its spans from layer 0 run with the head
+    # it may serve clients: its spans from layer 0 run with the head, and only such nodes
+    # are given spans from layer 0
+    entry: bool = True
+    keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
 
     @model_validator(mode="after")
     def _reserve_within_budget(self) -> RegisterRequest:

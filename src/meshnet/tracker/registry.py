@@ -78,6 +78,7 @@ class NodeRecord:
             frozenset(ModelId(m) for m in r.models) if r.models else None,
             frozenset(self.failed),
             entry=r.entry,
+            keeps_entry=r.keeps_entry,
             sessions=self.sessions,
         )
 

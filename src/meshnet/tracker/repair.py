@@ -8,6 +8,7 @@ Pieces start at the gap's start and run as far as the chosen node's room allows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from meshnet.tracker.layout import Hold, Layout, ModelOffer, NodeView
 from meshnet.types import LayerSpan, ModelId, NodeId
@@ -20,7 +21,9 @@ def fill(layout: Layout, offer: ModelOffer, gap: LayerSpan, reason: str) -> int:
     start = gap.start
     while start < gap.end:
         need = gap.end - start
-        pick = best_fit(layout, offer, need, start, lambda n: layout.capacity(n, offer.model))
+        pick = best_fit(
+            layout, offer, need, start, partial(layout.room, model=offer.model, start=start)
+        )
         if pick is None:
             break
         node, layers = pick
@@ -43,12 +46,13 @@ def reclaim(layout: Layout, offer: ModelOffer, gap: LayerSpan, reason: str) -> i
             for n in layout.order
             if layout.per_layer(n, offer.model)
         }
-        pick = best_fit(layout, offer, need, start, _room(layout, offer, spare), idle_first=False)
+        room = _room(layout, offer, start, spare)
+        pick = best_fit(layout, offer, need, start, room, idle_first=False)
         if pick is None:
             break
         node, layers = pick
-        _make_room(layout, offer, node, layers, gap)
-        layers = min(layers, layout.capacity(node, offer.model))
+        _make_room(layout, offer, node, layers, start, gap)
+        layers = min(layers, layout.room(node, offer.model, start))
         if layers <= 0:
             break
         span = LayerSpan(start, start + layers)
@@ -92,12 +96,12 @@ def best_fit(
     return None
 
 
-def _room(layout: Layout, offer: ModelOffer, spare: dict[NodeId, int]) -> Room:
-    """Layers a node could take once its redundant copies (`spare` bytes) are dropped."""
+def _room(layout: Layout, offer: ModelOffer, start: int, spare: dict[NodeId, int]) -> Room:
+    """Layers from `start` a node could take once its redundant copies (`spare` bytes) go."""
 
     def room(node: NodeView) -> int:
         extra = spare.get(node.node_id, 0)
-        return layout.capacity(node, offer.model, extra) if extra else 0
+        return layout.room(node, offer.model, start, extra) if extra else 0
 
     return room
 
@@ -115,11 +119,12 @@ def _spare(layout: Layout, node: NodeView) -> list[tuple[ModelId, Hold]]:
 
 
 def _make_room(
-    layout: Layout, offer: ModelOffer, node: NodeView, layers: int, gap: LayerSpan
+    layout: Layout, offer: ModelOffer, node: NodeView, layers: int, start: int, gap: LayerSpan
 ) -> None:
-    """Drop `node`'s redundant copies, most-copied first, until `layers` of `offer` fit."""
+    """Drop `node`'s redundant copies, most-copied first, until `layers` of `offer` from
+    layer `start` fit."""
     for model, hold in _spare(layout, node):
-        if layout.capacity(node, offer.model) >= layers:
+        if layout.room(node, offer.model, start) >= layers:
             return
         if layout.redundant(model, hold):  # re-checked: an earlier drop may have changed it
             left = min(layout.copies[model][i] for i in hold.span) - 1

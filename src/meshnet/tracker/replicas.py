@@ -9,8 +9,11 @@ least half the node's room, else as far as the room goes: the next small node th
 there, so small nodes build a second chain in finer spans instead of staying idle. A node
 copies only models it does not hold yet: when it dies, a second copy on it dies too.
 
-Non-entry nodes never copy the layers an entry runs with its head: routes start after an
-entry's own span, so such a copy would serve nobody.
+Entries come first: while a model has fewer than `MIN_ENTRIES` entries, an entry node with
+room for the head and the layers up to where a chain goes on takes that span and becomes
+one; an entry node with nothing else to copy starts a second chain from layer 0. Other
+copies start after the entries' span: routes start there, so a copy of the layers an entry
+runs with its head would serve nobody.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from bisect import bisect_left, bisect_right
 
 from meshnet.tracker.layout import Layout, NodeView
 from meshnet.types import LayerSpan, ModelId
+
+MIN_ENTRIES = 2  # per model, where budgets allow: clients keep a door when one dies
 
 
 def level(layout: Layout) -> None:
@@ -39,8 +44,12 @@ def level(layout: Layout) -> None:
     for node in sorted(
         ready, key=lambda n: (bool(layout.by_node[n.node_id]), -layout.free[n.node_id], n.node_id)
     ):
+        if node.entry and _add_entry(layout, node, joins=True):
+            continue
         choice = _weakest_model(layout, node)
         if choice is None:
+            if node.entry:  # nothing else to copy: start a second chain with an entry
+                _add_entry(layout, node, joins=False)
             continue
         model, low = choice
         span = _span(layout, node, model, low)
@@ -56,10 +65,38 @@ def level(layout: Layout) -> None:
         )
 
 
-def floor(layout: Layout, node: NodeView, model: ModelId) -> int:
-    """The first layer `node` may usefully copy: after the entries' span unless it is one."""
-    entry_end = layout.entry_end(model)
-    return 0 if node.entry or entry_end is None else entry_end
+def _add_entry(layout: Layout, node: NodeView, *, joins: bool) -> bool:
+    """Make `node` an entry of a model short of entries, fewest first; True when it did.
+    With `joins`, only with a span that ends where a chain goes on (an entry at once)."""
+    held = {m for m, _ in layout.by_node[node.node_id]}
+    short = sorted((layout.entries(m), m) for m in layout.offers if m not in held)
+    for count, model in short:
+        if count >= MIN_ENTRIES:
+            break
+        span = _entry_span(layout, node, model, joins)
+        if span is None or (model, span) in node.failed:
+            continue
+        layout.load(node, model, span, f"makes {node.node_id} an entry of {model} ({count} before)")
+        return True
+    return False
+
+
+def _entry_span(layout: Layout, node: NodeView, model: ModelId, joins: bool) -> LayerSpan | None:
+    """From layer 0 to where a chain goes on, else (unless `joins`) as far as `node`'s room
+    goes: the next nodes build the rest of a second chain from there. None when its room
+    holds no layer beside the head."""
+    room = min(layout.room(node, model, 0), layout.offers[model].num_layers)
+    if room < 1:
+        return None
+    onward = max([p for p in layout.continues(model) if 0 < p <= room], default=0)
+    if onward:
+        return LayerSpan(0, onward)
+    return None if joins else LayerSpan(0, room)
+
+
+def floor(layout: Layout, model: ModelId) -> int:
+    """The first layer worth copying: after the entries' span (their own: see `_add_entry`)."""
+    return layout.entry_end(model) or 1
 
 
 def _weakest_model(layout: Layout, node: NodeView) -> tuple[ModelId, int] | None:
@@ -70,7 +107,7 @@ def _weakest_model(layout: Layout, node: NodeView) -> tuple[ModelId, int] | None
     for model, offer in layout.offers.items():
         if model in held:
             continue
-        low = floor(layout, node, model)
+        low = floor(layout, model)
         if low >= offer.num_layers or layout.capacity(node, model) < 1:
             continue
         copies, strength, _ = layout.weakest(model, low)

@@ -13,54 +13,20 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
 
-from meshnet.client.codec import TextCodec
-from meshnet.client.pipeline import Pipeline, PipelineSession
-from meshnet.client.sampling import SamplingParams, make_generator, sample
-from meshnet.client.stops import scan
-from meshnet.client.transport import Hop
+from meshnet.entry.pipeline import Pipeline, PipelineSession
+from meshnet.entry.sampling import make_generator, sample
 from meshnet.errors import RequestError
 from meshnet.observe.logs import current_session
 from meshnet.observe.metrics import Metrics
+from meshnet.text.codec import TextCodec
+from meshnet.text.decoding import Decoding
+from meshnet.text.events import Delta, Event, Finished
+from meshnet.text.params import GenerationParams
 from meshnet.tracker import messages as msg
 
 log = logging.getLogger(__name__)
-FinishReason = Literal["stop", "length"]
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    sampling: SamplingParams = SamplingParams()
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    route: list[Hop]  # the entry's own span, then the remote hops
-    first_token_s: float  # from the request to the first sampled token
-    decode_s: float  # from the first sampled token to the end
-    token_ids: list[int] = field(default_factory=list)
-    failover_pauses_s: list[float] = field(default_factory=list)  # one per replaced hop
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = self.completion_tokens - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
-
-
-Event = Delta | Finished
 
 
 class Generator:
@@ -126,8 +92,9 @@ class Generator:
     async def _generate(
         self, session: PipelineSession, prompt: list[int], params: GenerationParams, started: float
     ) -> AsyncGenerator[Event]:
-        state = _Decoding(make_generator(params.sampling.seed, self.rng.getrandbits(63)))
-        pick = partial(sample, params=params.sampling, generator=state.generator)
+        state = Decoding()
+        generator = make_generator(params.sampling.seed, self.rng.getrandbits(63))
+        pick = partial(sample, params=params.sampling, generator=generator)
         token = await self.pipeline.feed(session, prompt, pick)  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
         while True:
@@ -176,39 +143,3 @@ class Generator:
             error="" if end else error[:500],
         )
         self.on_end(summary)
-
-
-@dataclass
-class _Decoding:
-    """A request's decoding state: tokens so far, text emitted, and why it ended."""
-
-    generator: Any  # torch.Generator
-    generated: list[int] = field(default_factory=list)
-    emitted: int = 0  # characters of the decoded text already sent
-    reason: FinishReason | None = None
-    first_s: float = 0.0
-
-    def accept(self, token: int, codec: TextCodec, params: GenerationParams) -> str:
-        """Take one sampled token; the text that may be emitted now (may be empty)."""
-        if token in codec.eos_token_ids:
-            self.reason = "stop"
-            return self._flush(codec.decode(self.generated))
-        self.generated.append(token)
-        text = codec.decode(self.generated)
-        cut = scan(text, params.stop)
-        if cut.stopped:
-            self.reason = "stop"
-            return self._take(text, cut.safe_end)
-        if len(self.generated) >= params.max_tokens:
-            self.reason = "length"
-            return self._flush(text)
-        return self._take(text, cut.safe_end)
-
-    def _take(self, text: str, end: int) -> str:
-        delta = text[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
-        return delta
-
-    def _flush(self, text: str) -> str:
-        """Everything not sent yet: text held back for a stop sequence that never came."""
-        return self._take(text, len(text))

@@ -13,12 +13,11 @@ from typing import Protocol
 
 import httpx
 
-from meshnet.client.transport import Hop
 from meshnet.errors import MissingLayersError, RouteError
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
-from meshnet.types import ModelId, NodeId
+from meshnet.types import Hop, ModelId, NodeId
 
 log = logging.getLogger(__name__)
 

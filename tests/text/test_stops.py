@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet.client.stops import Scan, scan
+from meshnet.text.stops import Scan, scan
 
 
 @pytest.mark.parametrize(

@@ -18,15 +18,15 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from meshnet.client.failover import failover
-from meshnet.client.routes import RouteSource
-from meshnet.client.transport import Hop, Transport
 from meshnet.config import RetryPolicy, WireConfig
+from meshnet.entry.failover import failover
+from meshnet.entry.routes import RouteSource
+from meshnet.entry.transport import Transport
 from meshnet.errors import HopError
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import BatchFn, Failed
 from meshnet.observe.metrics import Metrics
-from meshnet.types import ModelId, NodeId, SessionId
+from meshnet.types import Hop, ModelId, NodeId, SessionId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
@@ -22,23 +21,11 @@ from meshnet.errors import HopError, MeshError, WireError
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
-from meshnet.types import LayerSpan, NodeId, SessionId
+from meshnet.types import Hop, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One node of a route and the span it runs for us."""
-
-    node_id: NodeId
-    address: str  # http://host:port
-    span: LayerSpan
-
-    def __str__(self) -> str:
-        return f"{self.node_id} ({self.address}) layers {self.span}"
 
 
 class Transport(Protocol):

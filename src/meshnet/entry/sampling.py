@@ -5,19 +5,9 @@ All logit work is float32. Temperature 0 means greedy (argmax, no randomness use
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens; validated where requests are parsed (the API's schemas)."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # keep the k most likely tokens; 0 = all
-    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = all
-    seed: int | None = None  # reproducible sampling; None = fresh randomness per request
+from meshnet.text.params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

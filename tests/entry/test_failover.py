@@ -10,19 +10,19 @@ import pytest
 import torch
 import uvicorn
 
-from meshnet.client.generation import Delta, GenerationParams
-from meshnet.client.routes import StaticRoutes, TrackerRoutes
-from meshnet.client.sampling import SamplingParams
-from meshnet.client.transport import Hop, HttpTransport
+from meshnet.entry.routes import StaticRoutes, TrackerRoutes
+from meshnet.entry.transport import HttpTransport
 from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
-from meshnet.types import LayerSpan, ModelId, NodeId, SessionId
+from meshnet.text.events import Delta
+from meshnet.text.params import GenerationParams, SamplingParams
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
-from tests.client.fakes import fake_mesh
-from tests.client.test_generation import collect
 from tests.conftest import run
+from tests.entry.fakes import fake_mesh
+from tests.entry.test_generation import collect
 
 PARAMS = GenerationParams(20, (), SamplingParams(temperature=0.0))
 PROMPT = "0123456789" * 5  # 50 tokens: chunks of 16 with chunk_tokens=16

@@ -12,15 +12,15 @@ import random
 
 import torch
 
-from meshnet.client.codec import CharCodec
-from meshnet.client.generation import Generator
-from meshnet.client.pipeline import Pipeline
-from meshnet.client.routes import StaticRoutes
-from meshnet.client.transport import Hop, InProcessTransport
 from meshnet.config import RetryPolicy, WireConfig, WireLimits
+from meshnet.entry.generation import Generator
+from meshnet.entry.pipeline import Pipeline
+from meshnet.entry.routes import StaticRoutes
+from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
-from meshnet.types import LayerSpan, ModelId, NodeId
+from meshnet.text.codec import CharCodec
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId
 
 VOCAB = 128
 HIDDEN = 8

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshnet.client.transport import Hop
 from meshnet.errors import HopError, MeshError, RouteError
+from meshnet.types import Hop
 from meshnet.wire import FrameMeta, split_prefill
 
 if TYPE_CHECKING:
-    from meshnet.client.pipeline import Pipeline, PipelineSession
+    from meshnet.entry.pipeline import Pipeline, PipelineSession
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.client.generation import GenerationParams
-from meshnet.client.sampling import SamplingParams
 from meshnet.errors import RouteError
+from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.tracker import messages as msg
-from tests.client.fakes import fake_mesh
-from tests.client.test_generation import collect
 from tests.conftest import run
+from tests.entry.fakes import fake_mesh
+from tests.entry.test_generation import collect
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet.client.sampling import SamplingParams, make_generator, sample
+from meshnet.entry.sampling import make_generator, sample
+from meshnet.text.params import SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.5])
 

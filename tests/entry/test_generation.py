@@ -7,11 +7,11 @@ import asyncio
 import anyio
 import pytest
 
-from meshnet.client.generation import Delta, Event, Finished, GenerationParams
-from meshnet.client.sampling import SamplingParams
 from meshnet.errors import RequestError
-from tests.client.fakes import fake_mesh
+from meshnet.text.events import Delta, Event, Finished
+from meshnet.text.params import GenerationParams, SamplingParams
 from tests.conftest import run
+from tests.entry.fakes import fake_mesh
 
 GREEDY = SamplingParams(temperature=0.0)
 

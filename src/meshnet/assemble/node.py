@@ -1,0 +1,164 @@
+"""`meshnet node`: spans behind `/forward`, joined to a tracker; an entry where it holds layer 0.
+
+The node loads the span given by hand (`--layers`, or every layer when there is no tracker),
+registers, and loads or drops spans as the tracker directs. When it may be an entry (the
+default), each span from layer 0 comes with the head and tokenizer and its model is answered
+on the node's OpenAI-compatible API, with routes for the hops after it from the tracker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+import httpx
+from starlette.applications import Starlette
+
+from meshnet.api.app import access_rules as api_rules
+from meshnet.api.app import create_app as create_api_app
+from meshnet.assemble.server import run_server
+from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, WireConfig, WireLimits
+from meshnet.entry.role import EntryRole, entry_budget
+from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
+from meshnet.entry.transport import HttpTransport
+from meshnet.errors import ModelError
+from meshnet.models.source import resolve
+from meshnet.node.agent import NodeAgent
+from meshnet.node.app import NodeService, create_app
+from meshnet.node.compute import host_turns, pin_loop_thread
+from meshnet.node.startup import registration, tracker_client
+from meshnet.observe.metrics import Metrics
+from meshnet.security.signing import Signer
+from meshnet.security.swarm import SwarmKey
+from meshnet.tracker import messages as msg
+from meshnet.tracker.offers import offer
+from meshnet.types import LayerSpan
+
+log = logging.getLogger(__name__)
+ClientFactory = Callable[[], httpx.AsyncClient]
+
+
+def pinned_span(config: NodeConfig) -> LayerSpan | None:
+    """The span given by hand (`--layers`), or the whole model when there is no tracker."""
+    if config.layers is not None:
+        return LayerSpan.parse(config.layers)
+    if config.tracker_url is None:
+        return LayerSpan(0, resolve(config.model).spec.num_layers)
+    return None
+
+
+def node_registration(config: NodeConfig, pinned: LayerSpan | None) -> msg.RegisterRequest:
+    """An entry span given by hand registers a budget that holds its head too."""
+    if config.entry and pinned is not None and pinned.start == 0:
+        config = replace(config, budget_bytes=entry_budget(config, pinned))
+    return registration(config)
+
+
+def node_service(
+    config: NodeConfig, node_id: str, access: AccessConfig, metrics: Metrics | None = None
+) -> NodeService:
+    return NodeService(
+        [],
+        WireLimits(),
+        WireConfig(),
+        config.max_sessions,
+        metrics=metrics,
+        turns=host_turns(config.host_turns),
+        max_batch=config.max_batch,
+        max_batch_tokens=config.max_batch_tokens,
+        batch_wait_s=config.batch_wait_s,
+        node_id=node_id,
+        swarm_key=SwarmKey.from_text(access.swarm_key) if access.swarm_key else None,
+    )
+
+
+def agent_lifespan(
+    role: EntryRole,
+    client: ClientFactory,
+    request: msg.RegisterRequest,
+    on_stop: Callable[[], Awaitable[None]],
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """Keep the node registered while the app runs; leave the tracker when it stops."""
+    service = role.service
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with client() as http:
+            agent = NodeAgent(service, http, request, role.load, role.attach, role.detach)
+            task = asyncio.create_task(agent.run())
+            service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
+            try:
+                yield
+            finally:
+                task.cancel()
+                await agent.leave()  # a no-op when the signal handler already left
+                await on_stop()
+
+    return lifespan
+
+
+def build_app(
+    config: NodeConfig,
+    access: AccessConfig = AccessConfig(),
+    entry: EntryConfig = EntryConfig(),
+    limits: ApiLimits = ApiLimits(),
+) -> Starlette:
+    """The node's app: `/forward` for its spans, and the API when it may be an entry."""
+    pinned = pinned_span(config)
+    request = node_registration(config, pinned)
+    service = node_service(config, request.node_id, access)
+    signer = Signer(access.swarm_key)
+    transport = HttpTransport(
+        service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
+    )
+    routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
+    if config.tracker_url is not None:
+        routes = TrackerRoutes(tracker_client(config.tracker_url, access, entry.route_timeout_s))
+    role = EntryRole(config, entry, service, routes, transport)
+    if pinned is not None:
+        load_pinned(role, config, pinned)
+    api = (
+        create_api_app(role.generators, entry.default_max_tokens, limits=limits, guarded=False)
+        if config.entry
+        else None
+    )
+    lifespan = None
+    if config.tracker_url is not None:
+        url = config.tracker_url
+        lifespan = agent_lifespan(
+            role, lambda: tracker_client(url, access), request, transport.aclose
+        )
+    app = create_app(
+        service=service,
+        lifespan=lifespan,
+        access=access,
+        api=api,
+        api_rules=api_rules(limits) if api is not None else (),
+    )
+    app.state.role = role
+    return app
+
+
+def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:
+    """Load the span given by hand before serving (with the head when it is an entry's)."""
+    partial = span.end < resolve(config.model).spec.num_layers
+    if config.tracker_url is None and config.entry and span.start == 0 and partial:
+        raise ModelError(
+            f"without --tracker an entry must serve all layers, not {span} (no route to the "
+            "rest); --no-entry serves the span alone"
+        )
+    runner = role.load(offer(config.model).model, config.model, span)
+    role.service.shards.add(runner)
+    role.attach(runner)
+
+
+def serve(config: NodeConfig, access: AccessConfig, entry: EntryConfig, limits: ApiLimits) -> None:
+    """Load, (join,) then serve until SIGTERM or Ctrl-C."""
+    pin_loop_thread()  # before any torch op: model work belongs to the compute thread
+    app = build_app(config, access, entry, limits)
+    api = " (API under /v1 where it holds layer 0)" if config.entry else ""
+    log.info("node listening on http://%s:%d%s", config.host, config.port, api)
+    run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)

@@ -1,0 +1,129 @@
+"""`meshnet tracker`: the control plane alone, or with an entry node in the same process.
+
+Alone, it forwards client calls to the entries of each model (ADR-0028). With `--layers 0:K`
+or `--budget` (tracker-as-node, ADR-0014) it also holds layers `[0, K)` and the head of its
+first model, registers that span with its own registry in-process, takes routes straight
+from the registry, and forwards calls for its other models to their entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from starlette.applications import Starlette
+
+from meshnet.api.app import access_rules as api_rules
+from meshnet.api.app import api_router
+from meshnet.assemble.node import agent_lifespan, node_registration, node_service
+from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
+from meshnet.entry.role import EntryRole, entry_span, load_entry_model
+from meshnet.entry.routes import RegistryRoutes
+from meshnet.entry.transport import HttpTransport
+from meshnet.node.app import access_rules as node_rules
+from meshnet.node.app import add_node_routes
+from meshnet.node.compute import pin_loop_thread
+from meshnet.security.signing import Signer
+from meshnet.tracker.app import create_app as create_tracker_app
+from meshnet.tracker.forward import EntryForwarder, ready_models
+from meshnet.tracker.offers import build_registry, offer
+from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
+
+log = logging.getLogger(__name__)
+
+
+def forwarding_client() -> httpx.AsyncClient:
+    """For calls forwarded to entries: a generation streams for minutes (no read timeout),
+    but connecting must be quick."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+
+def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig()) -> FastAPI:
+    """A tracker that runs no model: the control plane, and clients forwarded to entries."""
+    registry = build_registry(config)
+    forwarder = EntryForwarder(registry, forwarding_client())
+    prober = HttpProber(Signer(access.swarm_key))
+    return create_tracker_app(registry, config, prober=prober, access=access, forwarder=forwarder)
+
+
+def build_tracker_node_app(
+    tracker: TrackerConfig,
+    node: NodeConfig,
+    entry: EntryConfig = EntryConfig(),
+    access: AccessConfig = AccessConfig(),
+    limits: ApiLimits = ApiLimits(),
+) -> FastAPI:
+    """`meshnet tracker --layers 0:K`: the control plane plus an entry node, in one process."""
+    registry = build_registry(tracker)
+    signer = Signer(access.swarm_key)
+    node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port, entry=True)
+    span = entry_span(node)
+    request = node_registration(replace(node, layers=str(span)), span)
+    service = node_service(node, request.node_id, access, registry.metrics)
+    rules = [*node_rules(service.limits), *api_rules(limits)]
+    prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)
+    app = create_tracker_app(registry, tracker, prober=prober, access=access, extra_rules=rules)
+    add_node_routes(app, service)  # other entry nodes may route through our span
+    transport = HttpTransport(
+        service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
+    )
+    routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
+    role = EntryRole(node, entry, service, routes, transport)
+    model = load_entry_model(node, offer(node.model).model, node.model, span)
+    service.shards.add(model.runner)
+    role.add(model)
+    # other models this tracker offers are answered by their entries (ADR-0028)
+    forwarder = EntryForwarder(registry, forwarding_client(), exclude=frozenset({request.node_id}))
+    app.include_router(
+        api_router(
+            role.generators,
+            entry.default_max_tokens,
+            limits,
+            elsewhere=forwarder.forward,
+            more_models=lambda: ready_models(registry),
+        )
+    )
+    own = agent_lifespan(  # registers with this very app, in-process (signed like any node)
+        role,
+        lambda: httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 0)),
+            base_url="http://self",
+            auth=signer.auth(),
+        ),
+        request,
+        transport.aclose,
+    )
+    tracker_lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def both(application: Starlette) -> AsyncIterator[None]:
+        async with tracker_lifespan(application), own(application):
+            yield
+
+    app.router.lifespan_context = both
+    return app
+
+
+def serve_tracker(config: TrackerConfig, access: AccessConfig) -> None:
+    app = build_tracker_app(config, access)
+    log.info("tracker on http://%s:%d", config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+
+
+def serve_tracker_node(
+    tracker: TrackerConfig,
+    node: NodeConfig,
+    entry: EntryConfig,
+    access: AccessConfig,
+    limits: ApiLimits,
+) -> None:
+    pin_loop_thread()  # before any torch op: model work belongs to the compute thread
+    app = build_tracker_node_app(tracker, node, entry, access, limits)
+    log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
+    uvicorn.run(app, host=tracker.host, port=tracker.port, log_level="warning")

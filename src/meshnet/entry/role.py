@@ -1,0 +1,178 @@
+"""The entry role: a node holding a span from layer 0 also holds the head and answers clients.
+
+Any node that may be an entry (`NodeConfig.entry`, on by default) takes it on for each model
+whose span from layer 0 it loads, whether that span was given by hand (`--layers 0:K`, the
+tracker-as-node) or by the tracker's planner (ADR-0029): the load brings the head and the
+tokenizer, and the model's `Generator` joins the ones the node's API serves. Dropping the
+span ends it. The entry's own span runs in-process; only the hops after it are HTTP calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+
+from meshnet.config import EntryConfig, NodeConfig
+from meshnet.entry.generation import Generator
+from meshnet.entry.pipeline import Pipeline
+from meshnet.entry.routes import RouteSource
+from meshnet.entry.transport import Transport
+from meshnet.errors import ModelError
+from meshnet.models import sizing
+from meshnet.models.loader import load_head, load_tokenizer
+from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
+from meshnet.models.source import resolve
+from meshnet.node.app import NodeService
+from meshnet.node.runner import ShardRunner
+from meshnet.node.startup import load_runner
+from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.text.codec import HfCodec
+from meshnet.types import LayerSpan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EntryModel:
+    """What an entry node holds for one model besides the routes."""
+
+    model_id: str
+    runner: TorchShardRunner  # layers [0, k)
+    head: object  # models.shard.Head
+    codec: HfCodec
+    num_layers: int
+    max_context: int
+
+
+def entry_span(config: NodeConfig) -> LayerSpan:
+    """`--layers` as given, or as many layers from 0 as the budget holds after the head."""
+    spec = resolve(config.model).spec
+    if config.layers is not None:
+        span = LayerSpan.parse(config.layers)
+        if span.start != 0:
+            raise ModelError(f"an entry node serves layers from 0; got {span}")
+        return span
+    if config.budget_bytes is None:
+        return LayerSpan(0, spec.num_layers)
+    quant = config.quant or default_quant()
+    usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
+    usable -= sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant), usable)
+    if count < 1:
+        raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
+    return LayerSpan(0, count)
+
+
+def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
+    """The budget an entry with a span given by hand registers: `--budget`, which must hold
+    the head and the span, or just that (so the tracker plans nothing more on it)."""
+    spec = resolve(config.model).spec
+    quant = config.quant or default_quant()
+    span_bytes = len(span) * local_layer_bytes(spec, quant)
+    head = sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    needed = math.ceil((span_bytes + head) / (1 - config.kv_reserve_fraction)) + 1
+    if config.budget_bytes is None:
+        return needed
+    if config.budget_bytes < needed:
+        raise ModelError(
+            f"a budget of {config.budget_bytes} bytes cannot hold the head ({head} bytes) and "
+            f"layers {span} ({needed} bytes with the KV reserve)"
+        )
+    return config.budget_bytes
+
+
+def load_entry_model(config: NodeConfig, model_id: str, source: str, span: LayerSpan) -> EntryModel:
+    """Layers `span` (from 0) of `source`, its head and its tokenizer."""
+    runner = load_runner(config, model_id, source, span)
+    resolved = resolve(source)
+    head = load_head(resolved, head_dtype(runner.shard.quant))
+    codec = HfCodec(load_tokenizer(resolved))
+    log.info("entry for %s: layers %s and the head loaded", model_id, span)
+    spec = resolved.spec
+    return EntryModel(model_id, runner, head, codec, spec.num_layers, spec.max_positions)
+
+
+class EntryRole:
+    """The generators of the models whose entry span a node holds, kept as spans come and go.
+
+    `generators` is the mapping the node's API serves; `load` is the agent's loader (a span
+    from layer 0 comes with its head), `attach`/`detach` run on the event loop after the
+    agent added or dropped a span.
+    """
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        entry: EntryConfig,
+        service: NodeService,
+        routes: RouteSource,
+        transport: Transport,
+    ) -> None:
+        self.node = node
+        self.entry = entry
+        self.service = service
+        self.routes = routes
+        self.transport = transport
+        self.generators: dict[str, Generator] = {}
+        self._loaded: dict[tuple[str, LayerSpan], EntryModel] = {}  # loaded, not attached yet
+
+    def load(self, model_id: str, source: str, span: LayerSpan) -> ShardRunner:
+        """Load `span` (on the compute thread); from layer 0 with the head and tokenizer."""
+        if span.start != 0 or not self.node.entry:
+            return load_runner(self.node, model_id, source, span)
+        model = load_entry_model(self.node, model_id, source, span)
+        self._loaded[(model_id, span)] = model
+        return model.runner
+
+    def attach(self, runner: ShardRunner) -> None:
+        """`runner` now serves: when it came with a head, its model gets an entry."""
+        model = self._loaded.pop((runner.model, runner.span), None)
+        if model is not None:
+            self.add(model)
+
+    def add(self, model: EntryModel) -> None:
+        self.generators[model.model_id] = make_generator(
+            model, self.service, self.routes, self.transport, self.entry
+        )
+        log.info("serving the API for %s", model.model_id)
+
+    def detach(self, model_id: str, span: LayerSpan) -> None:
+        """The span `model_id` `span` was dropped: it no longer answers for that model."""
+        generator = self.generators.get(model_id)
+        if generator is not None and generator.pipeline.local.span == span:
+            del self.generators[model_id]  # requests in flight keep their generator
+            log.info("no longer an entry of %s", model_id)
+
+
+def make_generator(
+    model: EntryModel,
+    service: NodeService,
+    routes: RouteSource,
+    transport: Transport,
+    entry: EntryConfig,
+) -> Generator:
+    """The generator loop over `model`: its span runs on `service`, hops via `transport`."""
+    pipeline = Pipeline(
+        model.runner.model,
+        model.num_layers,
+        model.head,  # type: ignore[arg-type]
+        model.runner,
+        service,
+        routes,
+        transport,
+        service.wire,
+        service.node_id,
+        retry=entry.retry,
+        metrics=service.metrics,
+        step_wait_s=entry.step_wait_s,
+    )
+    return Generator(
+        pipeline,
+        model.codec,
+        model.max_context,
+        random.Random(entry.seed),
+        metrics=service.metrics,
+        on_end=service.finished.append,  # the agent's next heartbeat tells the tracker
+    )

@@ -1,0 +1,35 @@
+"""What a generation yields: text deltas, then one `Finished`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from meshnet.types import Hop
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    route: list[Hop]  # the entry's own span, then the remote hops
+    first_token_s: float  # from the request to the first sampled token
+    decode_s: float  # from the first sampled token to the end
+    token_ids: list[int] = field(default_factory=list)
+    failover_pauses_s: list[float] = field(default_factory=list)  # one per replaced hop
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+Event = Delta | Finished

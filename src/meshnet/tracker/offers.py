@@ -1,0 +1,51 @@
+"""What the tracker offers: each model's depth and sizes from its config (no weights)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshnet.config import TrackerConfig
+from meshnet.models.sizing import head_bytes, layer_bytes
+from meshnet.models.source import resolve
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.registry import Registry
+from meshnet.types import QUANTS, ModelId, is_valid_id
+
+log = logging.getLogger(__name__)
+
+
+def offer(name: str) -> ModelOffer:
+    """What the tracker offers for model `name`: its depth, per-layer and head bytes per quant."""
+    source = resolve(name)
+    spec = source.spec
+    model_id = name if is_valid_id(name) else source.model_id.replace("/", "--")
+    return ModelOffer(
+        ModelId(model_id),
+        spec.num_layers,
+        {q: layer_bytes(spec, q) for q in QUANTS},
+        {q: head_bytes(spec, 4 if q == "fp32" else 2) for q in QUANTS},  # `head_dtype`
+    )
+
+
+def build_registry(config: TrackerConfig) -> Registry:
+    offers, sources = [], {}
+    for name in config.models:
+        model = offer(name)
+        offers.append(model)
+        sources[model.model] = name
+        log.info(
+            "offering %s: %d layers, %d bytes per layer at fp32",
+            model.model,
+            model.num_layers,
+            model.layer_bytes["fp32"],
+        )
+    return Registry(
+        offers,
+        sources,
+        dead_after_s=config.dead_after_s,
+        clock=time.monotonic,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        max_nodes=config.max_nodes,
+        max_per_address=config.max_nodes_per_address,
+    )
