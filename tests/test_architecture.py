@@ -94,7 +94,8 @@ def test_the_roles_do_not_import_each_other_backwards() -> None:
 def test_text_generation_and_the_api_schemas_need_no_torch() -> None:
     code = (
         "import sys; import meshnet.text.params, meshnet.text.events, meshnet.text.stops, "
-        "meshnet.text.decoding, meshnet.text.codec, meshnet.api.schemas, meshnet.api.app; "
+        "meshnet.text.decoding, meshnet.text.codec, meshnet.text.sampling, meshnet.api.schemas, "
+        "meshnet.api.app; "
         "print('torch' in sys.modules)"
     )
     assert python_says(code) == "False"

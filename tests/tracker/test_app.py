@@ -171,6 +171,15 @@ def test_leaving_replans_at_once(mesh: tuple[TestClient, Clock]) -> None:
             "throughput": 1,
             "loaded": [{"model": "m", "span": {"start": 5, "end": 5}}],
         },
+        {  # keeps an entry span, but may not be an entry
+            "node_id": "a",
+            "address": "http://h:1",
+            "budget_bytes": 1,
+            "quant": "fp32",
+            "throughput": 1,
+            "entry": False,
+            "keeps_entry": True,
+        },
     ],
 )
 def test_bad_registrations_are_refused_and_change_nothing(

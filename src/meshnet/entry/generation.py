@@ -15,8 +15,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
 
+import torch
+
 from meshnet.entry.pipeline import Pipeline, PipelineSession
-from meshnet.entry.sampling import make_generator, sample
 from meshnet.errors import RequestError
 from meshnet.observe.logs import current_session
 from meshnet.observe.metrics import Metrics
@@ -24,6 +25,7 @@ from meshnet.text.codec import TextCodec
 from meshnet.text.decoding import Decoding
 from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams
+from meshnet.text.sampling import sample
 from meshnet.tracker import messages as msg
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ class Generator:
         self, session: PipelineSession, prompt: list[int], params: GenerationParams, started: float
     ) -> AsyncGenerator[Event]:
         state = Decoding()
-        generator = make_generator(params.sampling.seed, self.rng.getrandbits(63))
+        generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
         pick = partial(sample, params=params.sampling, generator=generator)
         token = await self.pipeline.feed(session, prompt, pick)  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
@@ -143,3 +145,10 @@ class Generator:
             error="" if end else error[:500],
         )
         self.on_end(summary)
+
+
+def seeded_rng(seed: int | None, fallback: int) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or with `fallback` (drawn by the caller) when None."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else fallback)
+    return generator

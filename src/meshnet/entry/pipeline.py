@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -23,8 +23,9 @@ from meshnet.entry.failover import failover
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.transport import Transport
 from meshnet.errors import HopError
+from meshnet.node.executor import Executor
 from meshnet.node.runner import Frame, ShardRunner
-from meshnet.node.scheduler import BatchFn, Failed
+from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.types import Hop, ModelId, NodeId, SessionId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
@@ -34,41 +35,6 @@ T = TypeVar("T")
 Pick = Callable[[torch.Tensor], T]  # logits [V] -> what a request makes of them (a token)
 # (session, token ids, pick: only when the entry's span is the last one)
 LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None"]
-
-
-class Executor(Protocol):
-    """Runs model work on the process's compute thread (the node's `NodeService` is one)."""
-
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` alone on the compute thread."""
-        ...
-
-    async def submit(
-        self,
-        key: Hashable | None,
-        run: BatchFn,
-        item: Any,
-        tokens: int = 1,
-        member: Hashable = None,
-        wait_s: float = 0.0,
-    ) -> Any:
-        """Run `item` with the other items queued under `key`, as `run(items)`; `member`
-        (a session) will send the next step of `key` too, and the round waits up to
-        `wait_s` for the members of the last one."""
-        ...
-
-    def forget(self, session: SessionId) -> None:
-        """`session` has ended: no batch waits for it."""
-        ...
-
-    def admit_session(self, session: SessionId) -> None:
-        """Raise when this process takes no new session (draining, or at `max_sessions`);
-        else hold a place for `session` until `admitted`."""
-        ...
-
-    def admitted(self, session: SessionId) -> None:
-        """`session`'s first call is over (its cache counts by itself now)."""
-        ...
 
 
 class HeadLike(Protocol):

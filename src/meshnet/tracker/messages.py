@@ -64,6 +64,8 @@ class RegisterRequest(Message):
     def _reserve_within_budget(self) -> RegisterRequest:
         if self.kv_reserve_bytes > self.budget_bytes:
             raise ValueError("kv_reserve_bytes exceeds budget_bytes")
+        if self.keeps_entry and not self.entry:
+            raise ValueError("keeps_entry needs entry: only an entry keeps an entry span")
         return self
 
 

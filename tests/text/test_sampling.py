@@ -7,14 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet.entry.sampling import make_generator, sample
+from meshnet.entry.generation import seeded_rng
 from meshnet.text.params import SamplingParams
+from meshnet.text.sampling import sample
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.5])
 
 
 def draws(params: SamplingParams, n: int = 400, seed: int = 0) -> set[int]:
-    generator = make_generator(seed, 0)
+    generator = seeded_rng(seed, 0)
     return {sample(LOGITS, params, generator) for _ in range(n)}
 
 
@@ -35,14 +36,14 @@ def test_which_tokens_can_come_out(params: SamplingParams, allowed: set[int]) ->
 
 def test_greedy_ignores_the_generator() -> None:
     params = SamplingParams(temperature=0.0)
-    assert {sample(LOGITS, params, make_generator(s, 0)) for s in range(20)} == {1}
+    assert {sample(LOGITS, params, seeded_rng(s, 0)) for s in range(20)} == {1}
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     params = SamplingParams(temperature=1.5)
 
     def tokens(seed: int) -> list[int]:
-        generator = make_generator(seed, 0)
+        generator = seeded_rng(seed, 0)
         return [sample(LOGITS, params, generator) for _ in range(50)]
 
     assert tokens(7) == tokens(7)
@@ -51,7 +52,7 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
 
 def test_fallback_seed_is_used_when_none_given() -> None:
     params = SamplingParams(temperature=1.5)
-    one, two = make_generator(None, 42), make_generator(None, 42)
+    one, two = seeded_rng(None, 42), seeded_rng(None, 42)
     assert [sample(LOGITS, params, one) for _ in range(30)] == [
         sample(LOGITS, params, two) for _ in range(30)
     ]
@@ -59,7 +60,7 @@ def test_fallback_seed_is_used_when_none_given() -> None:
 
 def test_logit_work_is_float32_whatever_comes_in() -> None:
     bf16 = LOGITS.to(torch.bfloat16)
-    assert sample(bf16, SamplingParams(temperature=0.0), make_generator(0, 0)) == 1
+    assert sample(bf16, SamplingParams(temperature=0.0), seeded_rng(0, 0)) == 1
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,7 +75,7 @@ def test_sampled_token_is_always_among_the_kept_ones(
     logits: list[float], temperature: float, top_k: int, top_p: float, seed: int
 ) -> None:
     scores = torch.tensor(logits)
-    token = sample(scores, SamplingParams(temperature, top_k, top_p), make_generator(seed, 0))
+    token = sample(scores, SamplingParams(temperature, top_k, top_p), seeded_rng(seed, 0))
     assert 0 <= token < len(logits)
     if top_k:
         assert scores[token] >= torch.topk(scores, min(top_k, len(logits))).values[-1]
