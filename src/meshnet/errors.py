@@ -101,7 +101,9 @@ class MissingLayersError(RouteError):
 
 
 class HopError(MeshError):
-    """A node on the route failed (unreachable, timed out) or refused a frame."""
+    """A node on the route failed (unreachable, timed out), refused a frame or sent a bad
+    answer. The entry built the frame, so each is that hop's failure: another copy of its
+    span takes the frame (ADR-0030); only 429 says the hop is healthy but full."""
 
     http_status = 502
 
@@ -114,12 +116,6 @@ class HopError(MeshError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"} if self.status == 429 else {}
-
-    @property
-    def retryable(self) -> bool:
-        """Another copy of the hop's span may take the frame: the hop failed (gone, timed
-        out, 5xx, its cache lost) or is at a limit (429), rather than our frame being bad."""
-        return self.status is None or self.status >= 500 or self.status in (409, 429)
 
     @property
     def busy(self) -> bool:
@@ -138,6 +134,12 @@ class UnavailableError(MeshError):
     """The node is shutting down and takes no new sessions."""
 
     http_status = 503
+
+
+class SlowRequestError(MeshError):
+    """The request's body did not arrive in time: the connection is given up."""
+
+    http_status = 408
 
 
 class RequestError(MeshError):

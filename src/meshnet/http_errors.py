@@ -78,11 +78,27 @@ async def _http_error(_: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _unexpected(_: Request, exc: Exception) -> Response:
+    """Anything no handler knows: a JSON 500 that names the kind, never a text traceback
+    (the server logs the traceback itself)."""
+    body = {
+        "error": {
+            "message": f"internal error ({type(exc).__name__}); see the server's log",
+            "type": "InternalError",
+            "param": None,
+            "code": None,
+            "field": None,
+        }
+    }
+    return JSONResponse(body, status_code=500)
+
+
 def install_error_handlers(app: Starlette) -> None:
     """Map `MeshError`, validation failures and HTTP errors to JSON 4xx/5xx answers."""
     app.add_exception_handler(MeshError, _mesh_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)  # Starlette's server-error middleware
 
 
 class WireVersionHeader:

@@ -12,7 +12,7 @@ from meshnet.config import TrackerConfig
 from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import ProbeError, TrustingProber
-from meshnet.tracker.registry import Registry
+from meshnet.tracker.registry import SUSPECT_S, Registry
 from meshnet.types import ModelId
 
 MB = 1 << 20
@@ -218,7 +218,7 @@ def test_openapi_is_served(mesh: tuple[TestClient, Clock]) -> None:
 def test_replacement_routes_for_one_span_excluding_banned_and_reported_nodes(
     mesh: tuple[TestClient, Clock],
 ) -> None:
-    client, _ = mesh
+    client, clock = mesh
     spans = {"a": (0, 15), "b": (15, 30), "c": (15, 30), "d": (15, 30)}
     for node, (start, end) in spans.items():
         shard = {"model": "m", "span": {"start": start, "end": end}}
@@ -234,12 +234,16 @@ def test_replacement_routes_for_one_span_excluding_banned_and_reported_nodes(
     assert client.post("/v1/nodes/report", json={"node_id": "d", "reason": "reset"}).json() == {
         "reported": True
     }
-    assert replacement(exclude="b,c") == []  # d is out of routes until it heartbeats
+    assert replacement(exclude="b,c") == []  # d is out of routes for a while
     missing = client.get(
         "/v1/route", params={"model": "m", "start": 15, "end": 30, "exclude": "b,c"}
     )
     assert missing.status_code == 503 and "15:30" in missing.json()["error"]["message"]
-    beat(client, "d", [{"model": "m", "span": {"start": 15, "end": 30}}])
+    held = [{"model": "m", "span": {"start": 15, "end": 30}}]
+    beat(client, "d", held)  # a node failing frames may well go on beating: still out
+    assert replacement(exclude="b,c") == []
+    clock.now += SUSPECT_S
+    beat(client, "d", held)
     assert replacement(exclude="b,c") == ["d"]
     bad = client.get("/v1/route", params={"model": "m", "start": 20, "end": 10})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "start"

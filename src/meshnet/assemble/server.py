@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
+from meshnet.assemble.http import ServerLimits, server_config
 from meshnet.node.app import NodeService
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,5 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(app: Starlette, service: NodeService, host: str, port: int, drain_s: float) -> None:
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(drain_s)
-    )
+    config = server_config(app, host, port, ServerLimits(), timeout_graceful_shutdown=int(drain_s))
     DrainingServer(config, service, drain_s).run()

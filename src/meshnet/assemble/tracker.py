@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 
 from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
+from meshnet.assemble.http import ServerLimits, server_config
 from meshnet.assemble.node import agent_lifespan, node_registration, node_service
 from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
 from meshnet.entry.role import EntryRole, entry_span, load_entry_model
@@ -113,7 +114,7 @@ def build_tracker_node_app(
 def serve_tracker(config: TrackerConfig, access: AccessConfig) -> None:
     app = build_tracker_app(config, access)
     log.info("tracker on http://%s:%d", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    uvicorn.Server(server_config(app, config.host, config.port, ServerLimits())).run()
 
 
 def serve_tracker_node(
@@ -126,4 +127,4 @@ def serve_tracker_node(
     pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_tracker_node_app(tracker, node, entry, access, limits)
     log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
-    uvicorn.run(app, host=tracker.host, port=tracker.port, log_level="warning")
+    uvicorn.Server(server_config(app, tracker.host, tracker.port, ServerLimits())).run()

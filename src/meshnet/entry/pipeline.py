@@ -216,9 +216,7 @@ class Pipeline:
             meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
             try:
                 out = await self.transport.forward(hop, meta, hidden)
-            except HopError as exc:
-                if not exc.retryable:
-                    raise
+            except HopError as exc:  # whatever it was, another copy of the span may take it
                 await failover(self, session, k, exc)
                 self.metrics.failovers.inc()
                 continue

@@ -61,7 +61,9 @@ class HttpTransport:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None or self._client.closed:
-            self._client = aiohttp.ClientSession(timeout=self.timeout)
+            # frames carry their own encoding: an HTTP Content-Encoding is never undone, so
+            # a 149 KB gzip answer stays 149 KB (a hop's body is capped as it is read)
+            self._client = aiohttp.ClientSession(timeout=self.timeout, auto_decompress=False)
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,10 +75,10 @@ class HttpTransport:
             async with self._session().post(
                 f"{hop.address}/forward", data=data, headers=headers
             ) as response:
-                body = await response.read()
+                body = await bounded_read(hop, response, self.limits.max_body_bytes)
                 if response.status != 200:
                     raise hop_error(hop, response.status, body)
-                output = checked_output(hop, response.headers, body, self.limits)
+                output = checked_output(hop, response.headers, body, self.limits, meta, hidden)
                 received = response.headers.get(ENCODING, "none")
                 self.metrics.bytes_received.labels(received).inc(len(body))
                 return output
@@ -100,19 +102,43 @@ class HttpTransport:
             await self._client.close()
 
 
-def checked_output(
-    hop: Hop, headers: Mapping[str, str], body: bytes, limits: WireLimits = WireLimits()
-) -> torch.Tensor:
-    """A hop's answer decoded; a retryable `HopError` when it is not what we asked for.
+async def bounded_read(hop: Hop, response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The answer's body, refused as that hop's failure once it passes `max_bytes`."""
+    declared = response.content_length
+    if declared is not None and declared > max_bytes:
+        raise HopError(
+            f"hop {hop} answered {declared} bytes (cap {max_bytes})", status=None, hop=hop
+        )
+    parts, size = [], 0
+    async for piece in response.content.iter_any():
+        size += len(piece)
+        if size > max_bytes:
+            raise HopError(f"hop {hop} answered over {max_bytes} bytes", status=None, hop=hop)
+        parts.append(piece)
+    return b"".join(parts)
 
-    A malformed frame, one for other layers, or non-finite values are signs of a faulty node
-    (bad weights, broken kernels, bad hardware): failing over to another copy beats passing
-    garbage on to the user.
+
+def checked_output(
+    hop: Hop,
+    headers: Mapping[str, str],
+    body: bytes,
+    limits: WireLimits,
+    sent: FrameMeta,
+    hidden_in: torch.Tensor,
+) -> torch.Tensor:
+    """A hop's answer decoded; a `HopError` when it is not what we asked for.
+
+    The answer must be the frame we sent, transformed: same session, layers, position and
+    shape ([B, T, H] in, [B, T, H] out). A malformed frame, another shape, or non-finite
+    values are signs of a faulty (or hostile) node: failing over to another copy beats
+    passing garbage to the next hop, which would then be blamed, or to the user.
     """
     try:
         meta, hidden = decode(headers, body, limits)
-        if meta.span != hop.span:
-            raise WireError(f"the frame is for layers {meta.span}, not {hop.span}")
+        got = (meta.session, meta.span, meta.position, tuple(hidden.shape))
+        wanted = (sent.session, hop.span, sent.position, tuple(hidden_in.shape))
+        if got != wanted:
+            raise WireError(f"the answer is (session, layers, position, shape) {got}, not {wanted}")
         require_finite(hidden)
     except WireError as exc:
         raise HopError(f"hop {hop} sent a bad frame: {exc.message}", status=None, hop=hop) from exc
@@ -156,7 +182,7 @@ class InProcessTransport:
                 hop=hop,
             ) from exc
         back = encode(out, meta, self.wire)
-        return checked_output(hop, back.headers, bytes(back.body))
+        return checked_output(hop, back.headers, bytes(back.body), WireLimits(), meta, hidden)
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         self.closed.append((hop.address, session))

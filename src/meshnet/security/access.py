@@ -1,9 +1,11 @@
 """The access guard: one ASGI middleware in front of every meshnet app.
 
-For each request it finds the path's rule, refuses a body over the rule's limit (413) before
-buffering it, then checks the credentials the rule asks for (401), and only then passes the
-request on, with the caller's identity in `scope["meshnet.client"]`. Refusals are JSON errors
-in the usual shape and change nothing.
+For each request it finds the path's rule and checks what the headers alone can show before
+a byte of the body is read: an API key, loopback, or a swarm proof's form and timestamp
+(401). It then reads the body under its limit (413), a deadline (408) and the process's
+in-flight budget (503), hashing it as it streams, checks the proof's MAC over that digest
+(401), and only then passes the request on, with the caller's identity in
+`scope["meshnet.client"]`. Refusals are JSON errors in the usual shape and change nothing.
 
 Credentials: `swarm` (a swarm-key proof, ADR-0017) or `client` (an API key as a bearer token,
 or, when no key is configured, a loopback caller). Paths no rule names need `swarm`.
@@ -21,12 +23,14 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.config import AccessConfig
-from meshnet.errors import AuthError, MeshError, PayloadTooLargeError
+from meshnet.errors import AuthError, MeshError
 from meshnet.http_errors import error_response
-from meshnet.security.swarm import HEADER, SwarmKey, Verifier
+from meshnet.security.body import BodyLimits, InFlight, read_body
+from meshnet.security.swarm import HEADER, Proof, SwarmKey, Verifier
 
 CLIENT_KEY = "meshnet.client"  # scope key: "swarm", "key:<fingerprint>" or "ip:<address>"
 KiB = 1 << 10
+DEFAULT_BODY_LIMITS = BodyLimits()
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,33 @@ def key_tag(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+class Settled:
+    """An identity the headers settled (an API key, loopback, an open path)."""
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+
+    def confirm(self, sha256: str) -> str:
+        return self.identity
+
+
+@dataclass(frozen=True)
+class SwarmProof:
+    """A swarm proof whose header checked out; its MAC waits for the body's digest."""
+
+    verifier: Verifier
+    method: str
+    target: bytes
+    proof: Proof
+
+    def confirm(self, sha256: str) -> str:
+        self.verifier.verify_digest(self.method, self.target, sha256, self.proof)
+        return "swarm"
+
+
+Admission = Settled | SwarmProof
+
+
 class Credentials:
     """Checks one request's credentials against the process's `AccessConfig`."""
 
@@ -77,24 +108,24 @@ class Credentials:
         self.verifier = Verifier(key, clock, access.max_clock_skew_s) if key else None
         self.api_keys = {hashlib.sha256(k.encode()).digest(): key_tag(k) for k in access.api_keys}
 
-    def admit(
-        self, needs: frozenset[str], scope: Scope, headers: dict[str, str], body: bytes
-    ) -> str:
-        """The caller's identity, or `AuthError`."""
+    def admit(self, needs: frozenset[str], scope: Scope, headers: dict[str, str]) -> Admission:
+        """What the headers settle before the body is read: the caller's identity, to be
+        confirmed against the body's digest (a swarm proof's MAC), or `AuthError` at once."""
         if not needs:
-            return f"ip:{_client_host(scope)}"
+            return Settled(f"ip:{_client_host(scope)}")
         unchecked = self.verifier is None  # no swarm key configured: member calls go unchecked
         if "swarm" in needs and ("client" not in needs or unchecked or HEADER.lower() in headers):
-            return self._swarm(scope, headers, body)
-        return self._client(scope, headers)
+            return self._swarm(scope, headers)
+        return Settled(self._client(scope, headers))
 
-    def _swarm(self, scope: Scope, headers: dict[str, str], body: bytes) -> str:
-        if self.verifier is not None:
-            target = scope.get("raw_path") or scope["path"].encode()
-            if scope.get("query_string"):
-                target += b"?" + scope["query_string"]
-            self.verifier.verify(scope["method"], target, body, headers.get(HEADER.lower()))
-        return "swarm"
+    def _swarm(self, scope: Scope, headers: dict[str, str]) -> Admission:
+        if self.verifier is None:
+            return Settled("swarm")
+        proof = self.verifier.check(headers.get(HEADER.lower()))  # refused before any body
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        return SwarmProof(self.verifier, scope["method"], target, proof)
 
     def _client(self, scope: Scope, headers: dict[str, str]) -> str:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -123,12 +154,21 @@ def _client_host(scope: Scope) -> str | None:
 
 
 class Guard:
-    """ASGI middleware: body limit, then credentials, for every HTTP request."""
+    """ASGI middleware: what the headers can refuse, then the body (limits, deadline,
+    in-flight budget), then the proof over it, for every HTTP request."""
 
-    def __init__(self, app: ASGIApp, rules: Sequence[Rule], credentials: Credentials) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        rules: Sequence[Rule],
+        credentials: Credentials,
+        limits: BodyLimits = DEFAULT_BODY_LIMITS,
+    ) -> None:
         self.app = app
         self.rules = list(OPEN_RULES) + list(rules)
         self.credentials = credentials
+        self.limits = limits
+        self.in_flight = InFlight(limits.max_in_flight_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -137,34 +177,27 @@ class Guard:
         found = match(self.rules, scope["path"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            body = await read_limited(headers, receive, found.max_body_bytes)
-            client = self.credentials.admit(found.needs, scope, headers, body)
+            admission = self.credentials.admit(found.needs, scope, headers)
+            body = await read_body(
+                headers.get("content-length"),
+                receive,
+                found.max_body_bytes,
+                self.in_flight,
+                self.limits,
+            )
         except MeshError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        await self.app({**scope, CLIENT_KEY: client}, replay_body(body, receive), send)
-
-
-async def read_limited(headers: dict[str, str], receive: Receive, max_bytes: int) -> bytes:
-    """The whole request body; `PayloadTooLargeError` (413) before buffering past the limit."""
-    declared = headers.get("content-length", "")
-    if declared.isdigit() and len(declared) < 20 and int(declared) > max_bytes:
-        raise PayloadTooLargeError(
-            f"body of {declared} bytes exceeds this endpoint's limit of {max_bytes}", field="body"
-        )
-    parts, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":
-            break  # the client went away
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > max_bytes:
-            raise PayloadTooLargeError(
-                f"body exceeds this endpoint's limit of {max_bytes} bytes", field="body"
-            )
-        more = message.get("more_body", False)
-    return b"".join(parts)
+        try:
+            client = admission.confirm(body.sha256)
+        except MeshError as exc:
+            self.in_flight.give(len(body.data))
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            await self.app({**scope, CLIENT_KEY: client}, replay_body(body.data, receive), send)
+        finally:
+            self.in_flight.give(len(body.data))
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:

@@ -43,8 +43,18 @@ class SwarmKey:
 
 
 def _message(method: str, target: bytes, stamp: str, nonce: str, body: bytes) -> list[bytes]:
-    digest = hashlib.sha256(body).hexdigest().encode()
-    return [_LABEL, method.upper().encode(), target, stamp.encode(), nonce.encode(), digest]
+    return _signed(method, target, stamp, nonce, hashlib.sha256(body).hexdigest())
+
+
+def _signed(method: str, target: bytes, stamp: str, nonce: str, sha256: str) -> list[bytes]:
+    return [
+        _LABEL,
+        method.upper().encode(),
+        target,
+        stamp.encode(),
+        nonce.encode(),
+        sha256.encode(),
+    ]
 
 
 def sign(key: SwarmKey, method: str, target: bytes, body: bytes, now_s: float) -> str:
@@ -103,6 +113,11 @@ class Verifier:
 
     def verify(self, method: str, target: bytes, body: bytes, value: str | None) -> None:
         """Accept the request or raise `AuthError` (401); an accepted nonce is spent."""
+        self.verify_digest(method, target, hashlib.sha256(body).hexdigest(), self.check(value))
+
+    def check(self, value: str | None) -> Proof:
+        """What the header alone shows: a well-formed proof inside the clock-skew window
+        (checked before the body is read), or `AuthError`."""
         proof = parse(value)
         now, sent = self.clock(), stamp_seconds(proof.stamp)
         if abs(now - sent) > self.max_skew_s:
@@ -111,10 +126,14 @@ class Verifier:
                 f"±{self.max_skew_s:.0f} s): a replay, or clocks out of sync",
                 field=HEADER,
             )
-        expected = self.key.mac(*_message(method, target, proof.stamp, proof.nonce, body))
+        return proof
+
+    def verify_digest(self, method: str, target: bytes, sha256: str, proof: Proof) -> None:
+        """Accept `proof` for a body whose SHA-256 (hex) is `sha256`, or `AuthError`."""
+        expected = self.key.mac(*_signed(method, target, proof.stamp, proof.nonce, sha256))
         if not hmac.compare_digest(expected, proof.mac):
             raise AuthError("the swarm-key proof does not match: wrong key?", field=HEADER)
-        self._spend(proof.nonce, sent, now)
+        self._spend(proof.nonce, stamp_seconds(proof.stamp), self.clock())
 
     def _spend(self, nonce: str, sent_s: float, now_s: float) -> None:
         if nonce in self._seen:

@@ -26,6 +26,7 @@ from meshnet.types import LayerSpan, ModelId, NodeId
 log = logging.getLogger(__name__)
 Key = tuple[ModelId, LayerSpan]
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
+SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long
 CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
 PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
 QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
@@ -59,7 +60,9 @@ class NodeRecord:
     sessions: int = 0
     queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
     step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
-    suspect: bool = False  # an entry node reported it failing; out of routes until it beats
+    # an entry node reported it failing: out of routes until then, heartbeats or not (a
+    # node that fails frames may well go on beating)
+    suspect_until_s: float = 0.0
     checked_s: float = 0.0  # when the tracker last checked that it still listens
     dropping: set[Key] = field(default_factory=set)  # told to drop, still reported
     peer: str = ""  # the address it registered from (for the per-address cap)
@@ -181,7 +184,6 @@ class Registry:
             record.failed |= failed
             record.sessions = beat.sessions
             record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
-            record.suspect = False  # it is alive: routes may use it again
             self.requests.extend(
                 (record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests
             )
@@ -200,13 +202,13 @@ class Registry:
             return gone
 
     def report(self, node_id: NodeId, reason: str) -> bool:
-        """An entry node saw `node_id` fail: keep it out of routes until its next heartbeat."""
+        """An entry node saw `node_id` fail: keep it out of routes for `SUSPECT_S`."""
         with self.lock:
             record = self.nodes.get(node_id)
             if record is None:
                 return False
             log.warning("node %s reported failing: %s", node_id, reason)
-            record.suspect = True
+            record.suspect_until_s = self.clock() + SUSPECT_S
             return True
 
     def expire(self) -> list[NodeId]:
@@ -247,7 +249,7 @@ class Registry:
 
     def state(self, record: NodeRecord, now: float) -> msg.NodeState:
         """What the dashboard says of a node (`late`: one heartbeat clearly missed)."""
-        if record.suspect:
+        if now < record.suspect_until_s:
             return "suspect"
         if now - record.last_seen_s > LATE_AFTER_BEATS * self.interval_s:
             return "late"

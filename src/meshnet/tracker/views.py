@@ -16,6 +16,7 @@ def servers(
     registry: Registry, model: ModelId, exclude: frozenset[str] = frozenset()
 ) -> list[Server]:
     """Every loaded span of `model` on nodes not excluded or reported failing."""
+    now = registry.clock()
     return [
         Server(
             node_id,
@@ -27,7 +28,7 @@ def servers(
             r.step_s,
         )
         for node_id, r in sorted(registry.nodes.items())
-        if node_id not in exclude and not r.suspect
+        if node_id not in exclude and now >= r.suspect_until_s
         for m, span in sorted(r.loaded)
         if m == model
     ]
@@ -116,7 +117,7 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
             queue_depth=r.queue_depth,
             step_s=r.step_s,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
-            suspect=r.suspect,
+            suspect=now < r.suspect_until_s,
             state=states[n],
         )
         for n, r in sorted(registry.nodes.items())

@@ -1,0 +1,76 @@
+"""uvicorn as meshnet runs it (real sockets): oversized headers get 431, a connection that
+never finishes its headers is closed, a normal request is served (review finding 1)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+
+from meshnet.assemble.http import ServerLimits, server_config
+from tests.e2e.procs import free_port
+
+LIMITS = ServerLimits(max_header_bytes=4096, header_timeout_s=0.5, max_connections=16)
+
+
+async def hello(request: Request) -> PlainTextResponse:
+    return PlainTextResponse("hello")
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    app = Starlette()
+    app.add_route("/", hello)
+    chosen = free_port()
+    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, LIMITS))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield chosen
+    server.should_exit = True
+    thread.join(5)
+
+
+def exchange(port: int, data: bytes, wait_s: float = 5.0) -> tuple[bytes, float]:
+    """Send `data`, read until the server closes (or `wait_s`); what came back, and when."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(wait_s)
+        sock.sendall(data)
+        started, received = time.monotonic(), b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+        return received, time.monotonic() - started
+
+
+def test_a_normal_request_is_served(port: int) -> None:
+    answer, _ = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"hello")
+
+
+def test_headers_over_the_cap_get_431_and_a_close(port: int) -> None:
+    big = b"X-Pad: " + b"a" * 8192 + b"\r\n"
+    answer, took_s = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431") and b"exceed 4096 bytes" in answer
+    assert took_s < 2.0  # closed by the server, not by our timeout
+
+
+def test_half_sent_headers_are_closed_after_the_header_deadline(port: int) -> None:
+    answer, took_s = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n")  # never ends them
+    assert answer == b"" and took_s < 2.0  # the deadline is 0.5 s; before it was never
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_a_deadline_too(port: int) -> None:
+    first = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    answer, took_s = exchange(port, first + b"GET / HTTP/1.1\r\nHost: x\r\n")
+    assert answer.count(b"HTTP/1.1 200") == 1 and took_s < 2.0
