@@ -14,6 +14,7 @@ from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import ProbeError, TrustingProber
 from meshnet.tracker.registry import SUSPECT_S, Registry
 from meshnet.types import ModelId
+from tests.tracker.members import Members
 
 MB = 1 << 20
 
@@ -32,7 +33,7 @@ def mesh() -> tuple[TestClient, Clock]:
     offers = [ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")})]
     registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=6.0, clock=clock)
     app = create_app(registry, TrackerConfig(route_seed=0), prober=TrustingProber())
-    return TestClient(app), clock
+    return Members(TestClient(app)), clock  # type: ignore[return-value]
 
 
 def register(client: TestClient, node: str, budget_mb: int, **extra: Any) -> dict[str, Any]:

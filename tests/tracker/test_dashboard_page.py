@@ -47,9 +47,18 @@ def tracker() -> Iterator[tuple[str, Clock]]:
     thread.join(10)
 
 
+TOKENS: dict[str, str] = {}  # node id -> its membership token
+
+
 def member(url: str, path: str, body: dict[str, Any]) -> None:
+    """A signed call as node `body["node_id"]` makes it (with its membership token)."""
+    if path.endswith("/heartbeat"):
+        body = body | {"token": TOKENS[body["node_id"]]}
     with httpx.Client(base_url=url, auth=Signer(SWARM).auth()) as client:
-        assert client.post(path, json=body).status_code == 200
+        response = client.post(path, json=body)
+        assert response.status_code == 200
+        if path.endswith("/register"):
+            TOKENS[body["node_id"]] = response.json()["token"]
 
 
 def node(name: str, port: int, loaded: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
 from meshnet.tracker.registry import Registry, overdue
 from meshnet.types import ModelId, NodeId
+from tests.tracker.members import Members
 from tests.tracker.test_app import MB, Clock, beat, register
 
 INTERVAL_S = 2.0
@@ -48,7 +49,7 @@ class Tracker:
         self.prober = TrustingProber()
         config = TrackerConfig(heartbeat_interval_s=INTERVAL_S)
         app = create_app(self.registry, config, prober=self.prober, access=access)
-        self.client = TestClient(app)
+        self.client = Members(TestClient(app))
 
     def coverage(self) -> dict[str, Any]:
         body: dict[str, Any] = self.client.get("/v1/coverage").json()

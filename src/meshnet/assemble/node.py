@@ -26,7 +26,7 @@ from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
 from meshnet.entry.transport import HttpTransport
 from meshnet.errors import ModelError
 from meshnet.models.source import resolve
-from meshnet.node.agent import NodeAgent
+from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.compute import host_turns, pin_loop_thread
 from meshnet.node.startup import registration, tracker_client
@@ -80,6 +80,7 @@ def agent_lifespan(
     client: ClientFactory,
     request: msg.RegisterRequest,
     on_stop: Callable[[], Awaitable[None]],
+    member: Membership | None = None,
 ) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
     """Keep the node registered while the app runs; leave the tracker when it stops."""
     service = role.service
@@ -87,7 +88,7 @@ def agent_lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with client() as http:
-            agent = NodeAgent(service, http, request, role.load, role.attach, role.detach)
+            agent = NodeAgent(service, http, request, role.load, role.attach, role.detach, member)
             task = asyncio.create_task(agent.run())
             service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
             try:
@@ -114,9 +115,11 @@ def build_app(
     transport = HttpTransport(
         service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
     )
+    member = Membership(request.node_id)  # its token comes with the registration
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
     if config.tracker_url is not None:
-        routes = TrackerRoutes(tracker_client(config.tracker_url, access, entry.route_timeout_s))
+        client = tracker_client(config.tracker_url, access, entry.route_timeout_s)
+        routes = TrackerRoutes(client, member)
     role = EntryRole(config, entry, service, routes, transport)
     if pinned is not None:
         load_pinned(role, config, pinned)
@@ -129,7 +132,7 @@ def build_app(
     if config.tracker_url is not None:
         url = config.tracker_url
         lifespan = agent_lifespan(
-            role, lambda: tracker_client(url, access), request, transport.aclose
+            role, lambda: tracker_client(url, access), request, transport.aclose, member
         )
     app = create_app(
         service=service,

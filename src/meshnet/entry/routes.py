@@ -14,6 +14,7 @@ from typing import Protocol
 import httpx
 
 from meshnet.errors import MissingLayersError, RouteError
+from meshnet.node.agent import Membership
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
@@ -46,8 +47,9 @@ def hops_of(response: msg.RouteResponse) -> list[Hop]:
 class TrackerRoutes:
     """Routes from a tracker's `GET /v1/route`."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx.AsyncClient, member: Membership | None = None) -> None:
         self.client = client  # base_url = the tracker
+        self.member = member  # who reports failing hops (its token proves it)
 
     async def route(
         self,
@@ -71,6 +73,8 @@ class TrackerRoutes:
 
     async def report(self, node: NodeId, reason: str) -> None:
         body = {"node_id": node, "reason": reason[:500]}
+        if self.member is not None:
+            body |= {"reporter": self.member.node_id, "token": self.member.token}
         try:
             await self.client.post("/v1/nodes/report", json=body)
         except httpx.HTTPError as exc:

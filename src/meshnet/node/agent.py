@@ -12,6 +12,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,15 @@ def node_id(data_dir: Path) -> str:
     new = f"node-{uuid.uuid4().hex[:12]}"
     path.write_text(new + "\n")
     return new
+
+
+@dataclass
+class Membership:
+    """This node's id and the membership token its registration got: heartbeats and
+    `leave` carry it, and so do the reports its entry role sends about other nodes."""
+
+    node_id: str
+    token: str = ""
 
 
 class RefusedError(Exception):
@@ -63,7 +73,9 @@ class NodeAgent:
         loader: Loader,
         on_load: Callable[[ShardRunner], object] = lambda runner: None,
         on_drop: Callable[[str, LayerSpan], object] = lambda model, span: None,
+        membership: Membership | None = None,
     ) -> None:
+        self.membership = membership or Membership(registration.node_id)
         self.service = service
         self.client = client  # base_url = the tracker
         self.registration = registration
@@ -101,9 +113,8 @@ class NodeAgent:
 
     async def leave(self) -> None:
         try:
-            await self.client.post(
-                "/v1/nodes/leave", json={"node_id": self.registration.node_id}, timeout=2.0
-            )
+            body = {"node_id": self.registration.node_id, "token": self.membership.token}
+            await self.client.post("/v1/nodes/leave", json=body, timeout=2.0)
         except httpx.HTTPError as exc:
             log.warning("could not tell the tracker we are leaving: %s", exc)
 
@@ -115,6 +126,7 @@ class NodeAgent:
         finished = self.service.finished.take()
         beat = msg.HeartbeatRequest(
             node_id=self.registration.node_id,
+            token=self.membership.token,
             loaded=self.loaded(),
             loading=[msg.ShardRef(model=m, span=s) for m, s in self.loading],
             failed=self.failed,
@@ -125,7 +137,7 @@ class NodeAgent:
         )
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
 
-        if response.status_code == 404:
+        if response.status_code in (403, 404):
             log.info("the tracker does not know this node (restarted?); registering again")
             self.registered = False
             await self._register()
@@ -144,6 +156,7 @@ class NodeAgent:
         )
         _check(response, "registration")
         answer = msg.RegisterResponse.model_validate(response.json())
+        self.membership.token = answer.token
         self.interval_s = answer.heartbeat_interval_s
         self.registered = True
         self.retry_s = 0.1

@@ -19,12 +19,13 @@ from starlette.staticfiles import StaticFiles
 
 from meshnet import __version__
 from meshnet.config import AccessConfig, TrackerConfig
-from meshnet.errors import RequestError
+from meshnet.errors import MeshError, RequestError
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.security.access import Credentials, Guard, KiB, Rule, rule
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.forward import EntryForwarder, listed_models
+from meshnet.tracker.membership import NodeConflictError, new_token
 from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
@@ -82,12 +83,15 @@ def create_app(
     async def register(request: msg.RegisterRequest, http: Request) -> msg.RegisterResponse:
         registry.validate(request)  # refuse what we would not count before probing
         await prober.probe(request.node_id, request.address)
+        await refuse_takeover(registry, prober, request)
         peer = http.client.host if http.client else None
-        directives = registry.register(request, peer)
+        token = new_token()
+        directives = registry.register(request, peer, token)
         return msg.RegisterResponse(
             node_id=request.node_id,
             heartbeat_interval_s=registry.interval_s,
             directives=[registry.to_message(d) for d in directives],
+            token=token,
         )
 
     @app.post("/v1/nodes/heartbeat")
@@ -100,10 +104,11 @@ def create_app(
 
     @app.post("/v1/nodes/leave")
     def leave(request: msg.LeaveRequest) -> dict[str, bool]:
-        return {"left": registry.leave(NodeId(request.node_id))}
+        return {"left": registry.leave(NodeId(request.node_id), request.token)}
 
     @app.post("/v1/nodes/report")
     def report(request: msg.ReportRequest) -> dict[str, bool]:
+        registry.check_member(request.reporter, request.token)  # a member, as itself
         return {"reported": registry.report(NodeId(request.node_id), request.reason)}
 
     @app.get("/v1/coverage")
@@ -190,3 +195,21 @@ async def watch(registry: Registry, prober: Prober, every_s: float) -> None:
 def _sample(registry: Registry) -> None:
     for model, layers in views.layers_covered(registry).items():
         registry.metrics.layers_covered.labels(model).set(layers)
+
+
+async def refuse_takeover(registry: Registry, prober: Prober, request: msg.RegisterRequest) -> None:
+    """Refuse (409) registering an id that is live at another address, unless that address
+    no longer answers the probe as that id (the node moved, or died)."""
+    with registry.lock:
+        known = registry.nodes.get(NodeId(request.node_id))
+        old = known.request.address if known is not None else None
+    if old is None or old == request.address:
+        return  # new, or the same node starting again
+    try:
+        await prober.probe(request.node_id, old)
+    except MeshError:
+        return
+    raise NodeConflictError(
+        f"node {request.node_id} is live at {old}; a node at another address cannot take its id",
+        field="node_id",
+    )

@@ -53,7 +53,9 @@ class RegisterRequest(Message):
     budget_bytes: int = Field(gt=0, le=MAX_BYTES)
     kv_reserve_bytes: int = Field(ge=0, le=MAX_BYTES, default=0)
     quant: Quant
-    throughput: float = Field(gt=0, le=1e12, allow_inf_nan=False)  # measured at start-up
+    # measured at start-up (1024x1024 products a second: ~1e4 on a 2-core CPU); capped so
+    # that no claim outweighs a thousand such nodes in route choice
+    throughput: float = Field(gt=0, le=1e7, allow_inf_nan=False)
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     # it may serve clients: its spans from layer 0 run with the head, and only such nodes
     # are given spans from layer 0
@@ -73,6 +75,7 @@ class RegisterResponse(Message):
     node_id: str
     heartbeat_interval_s: float
     directives: list[DirectiveMessage]
+    token: str = ""  # its membership token: heartbeats, leave and reports must carry it
 
 
 class RequestSummary(Message):
@@ -90,8 +93,12 @@ class RequestSummary(Message):
     error: str = Field(default="", max_length=500)
 
 
+TOKEN = Field(default="", max_length=64)  # a membership token (from the registration)
+
+
 class HeartbeatRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
+    token: str = TOKEN
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     loading: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     failed: list[ShardFailure] = Field(default=[], max_length=MAX_SHARDS)
@@ -108,6 +115,7 @@ class HeartbeatResponse(Message):
 
 class LeaveRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
+    token: str = TOKEN
 
 
 class ReportRequest(Message):
@@ -115,6 +123,8 @@ class ReportRequest(Message):
 
     node_id: str = Field(pattern=ID_PATTERN)
     reason: str = Field(max_length=500)
+    reporter: str = Field(default="", max_length=128)  # the entry node reporting it...
+    token: str = TOKEN  # ...and its membership token
 
 
 class LayerCoverage(Message):

@@ -94,6 +94,8 @@ class TrustingProber:
 
     async def probe(self, node_id: str, address: str) -> None:
         self.probed.append((node_id, address))
+        if address in self.gone:
+            raise ProbeError(f"{address} refuses connections", field="address")
 
     async def reachable(self, address: str) -> bool:
         return address not in self.gone

@@ -17,36 +17,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from meshnet.errors import MeshError
 from meshnet.observe.metrics import Metrics
 from meshnet.tracker import messages as msg
+from meshnet.tracker.membership import (
+    Key,
+    NotYourNodeError,
+    RegistrationError,
+    UnknownNodeError,
+    check_claims,
+    check_fits,
+    check_room,
+    check_token,
+    token_digest,
+)
 from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
-from meshnet.types import LayerSpan, ModelId, NodeId
+from meshnet.types import ModelId, NodeId
 
 log = logging.getLogger(__name__)
-Key = tuple[ModelId, LayerSpan]
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
 SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long
 CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
 PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
 QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
 BEATS_PER_S = 500  # heartbeats a second the tracker takes at most (~0.5 core at ~1 ms each)
-
-
-class UnknownNodeError(MeshError):
-    """A heartbeat from a node this tracker does not know (e.g. after a tracker restart)."""
-
-    http_status = 404
-
-
-class RegistrationError(MeshError):
-    http_status = 400
-
-
-class TooManyNodesError(MeshError):
-    """The tracker holds as many nodes as it may (in all, or from one address)."""
-
-    http_status = 429
 
 
 @dataclass
@@ -63,6 +56,8 @@ class NodeRecord:
     # an entry node reported it failing: out of routes until then, heartbeats or not (a
     # node that fails frames may well go on beating)
     suspect_until_s: float = 0.0
+    token: bytes | None = None  # SHA-256 of its membership token; None: registered in-process
+    pinned: set[Key] = field(default_factory=set)  # the spans it registered with
     checked_s: float = 0.0  # when the tracker last checked that it still listens
     dropping: set[Key] = field(default_factory=set)  # told to drop, still reported
     peer: str = ""  # the address it registered from (for the per-address cap)
@@ -143,13 +138,26 @@ class Registry:
         for ref in request.loaded:
             self._key(ref)
 
-    def register(self, request: msg.RegisterRequest, peer: str | None = None) -> list[Directive]:
+    def register(
+        self, request: msg.RegisterRequest, peer: str | None = None, token: str | None = None
+    ) -> list[Directive]:
+        """Take `request` in (replacing any record of its id); `token` is the membership
+        token its later calls must carry (None: registered in-process, unchecked)."""
         with self.lock:
             self.validate(request)
             node_id, address = NodeId(request.node_id), peer or _host(request.address)
-            self._admit(node_id, address)
+            check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
             loaded = {self._key(ref) for ref in request.loaded}
-            self.nodes[node_id] = NodeRecord(request, self.clock(), loaded=loaded, peer=address)
+            per_layer = {m: o.layer_bytes.get(request.quant, 0) for m, o in self.offers.items()}
+            check_fits(request.node_id, loaded, per_layer, request.budget_bytes)
+            self.nodes[node_id] = NodeRecord(
+                request,
+                self.clock(),
+                loaded=loaded,
+                peer=address,
+                token=token_digest(token) if token else None,
+                pinned=set(loaded),
+            )
             log.info(
                 "node %s registered at %s (%d bytes, %s%s)",
                 request.node_id,
@@ -168,9 +176,12 @@ class Registry:
                 raise UnknownNodeError(
                     f"node {beat.node_id} is not registered; register again", field="node_id"
                 )
+            check_token(record.token, beat.token, beat.node_id)
             loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
             loading = {self._key(ref) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
+            allowed = record.assigned | record.pinned | record.loaded
+            check_claims(beat.node_id, loaded | loading | failed, allowed, "claims")
             record.last_seen_s = self.clock()
             reported = loaded | loading
             record.dropping &= reported  # what it no longer reports, it has dropped
@@ -193,13 +204,25 @@ class Registry:
                 self.plan_if_due()
             return self._deliver(NodeId(beat.node_id))
 
-    def leave(self, node_id: NodeId) -> bool:
+    def leave(self, node_id: NodeId, token: str | None = None) -> bool:
+        """`node_id` leaves (its token checked unless `token` is None: in-process)."""
         with self.lock:
+            record = self.nodes.get(node_id)
+            if record is not None and token is not None:
+                check_token(record.token, token, node_id)
             gone = self.nodes.pop(node_id, None) is not None
             if gone:
                 log.info("node %s left; re-planning its spans", node_id)
                 self._changed()
             return gone
+
+    def check_member(self, node_id: str, token: str) -> None:
+        """Refuse (403) a call made in the name of `node_id` without its token."""
+        with self.lock:
+            record = self.nodes.get(NodeId(node_id))
+            if record is None:
+                raise NotYourNodeError(f"node {node_id} is not registered here", field="reporter")
+            check_token(record.token, token, node_id)
 
     def report(self, node_id: NodeId, reason: str) -> bool:
         """An entry node saw `node_id` fail: keep it out of routes for `SUSPECT_S`."""
@@ -278,22 +301,6 @@ class Registry:
     def _changed(self) -> None:
         self.dirty = True
         self.plan_if_due()
-
-    def _admit(self, node_id: NodeId, address: str) -> None:
-        """Refuse (429) a new node past the caps; a node registering again is let in."""
-        if node_id in self.nodes:
-            return
-        if len(self.nodes) >= self.max_nodes:
-            raise TooManyNodesError(
-                f"this tracker holds its limit of {self.max_nodes} nodes", field="node_id"
-            )
-        same = sum(1 for r in self.nodes.values() if r.peer == address)
-        if same >= self.max_per_address:
-            raise TooManyNodesError(
-                f"{same} nodes already registered from {address}: the limit per address is "
-                f"{self.max_per_address}",
-                field="address",
-            )
 
     def _issue(self, directive: Directive) -> None:
         record = self.nodes[directive.node_id]

@@ -1,0 +1,100 @@
+"""A node id is more than a claim (review finding 2): heartbeats, leaves and reports need
+the membership token of the registration; a live id cannot move to another address; a
+node claims only spans it was given, within its budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from meshnet.config import TrackerConfig
+from meshnet.tracker.app import create_app
+from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.probe import TrustingProber
+from meshnet.tracker.registry import Registry
+from meshnet.types import ModelId
+
+MB = 1 << 20
+SPAN = {"start": 0, "end": 10}
+
+
+def tracker() -> tuple[TestClient, TrustingProber, Registry]:
+    offers = [ModelOffer(ModelId("m"), 30, {"fp32": 10 * MB})]
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=60.0, clock=lambda: 0.0)
+    prober = TrustingProber()
+    return TestClient(create_app(registry, TrackerConfig(), prober=prober)), prober, registry
+
+
+def register(client: TestClient, node: str, address: str, **extra: Any) -> Any:
+    body = {"node_id": node, "address": address, "budget_bytes": 400 * MB, "quant": "fp32"}
+    return client.post("/v1/nodes/register", json=body | {"throughput": 1.0, **extra})
+
+
+def test_heartbeats_and_leave_need_the_token_of_the_registration() -> None:
+    client, _, registry = tracker()
+    token = register(client, "a", "http://10.0.0.1:1").json()["token"]
+    assert len(token) >= 32
+    for path in ("/v1/nodes/heartbeat", "/v1/nodes/leave"):
+        for wrong in ("", "x" * 32):
+            refused = client.post(path, json={"node_id": "a", "token": wrong})
+            assert refused.status_code == 403 and refused.json()["error"]["field"] == "token"
+    assert "a" in registry.nodes  # nothing changed
+    assert client.post("/v1/nodes/heartbeat", json={"node_id": "a", "token": token}).is_success
+    assert client.post("/v1/nodes/leave", json={"node_id": "a", "token": token}).json() == {
+        "left": True
+    }
+
+
+def test_reports_need_a_registered_reporter_and_its_token() -> None:
+    client, _, registry = tracker()
+    register(client, "victim", "http://10.0.0.1:1")
+    token = register(client, "entry", "http://10.0.0.2:1").json()["token"]
+    for body in ({}, {"reporter": "entry", "token": "forged"}, {"reporter": "nobody"}):
+        refused = client.post("/v1/nodes/report", json={"node_id": "victim", "reason": "x"} | body)
+        assert refused.status_code == 403
+    assert registry.nodes["victim"].suspect_until_s == 0.0  # still routable
+    body = {"node_id": "victim", "reason": "reset", "reporter": "entry", "token": token}
+    assert client.post("/v1/nodes/report", json=body).json() == {"reported": True}
+
+
+def test_a_live_id_cannot_be_taken_over_from_another_address() -> None:
+    client, prober, registry = tracker()
+    register(client, "victim", "http://10.0.0.1:1")
+    hijack = register(client, "victim", "http://10.6.6.6:1", throughput=1e6)
+    assert hijack.status_code == 409 and "live at http://10.0.0.1:1" in hijack.text
+    assert registry.nodes["victim"].request.address == "http://10.0.0.1:1"  # unchanged
+    assert register(client, "victim", "http://10.0.0.1:1").is_success  # a restart in place
+    prober.gone.add("http://10.0.0.1:1")  # the old address no longer answers: it moved
+    assert register(client, "victim", "http://10.0.0.9:1").is_success
+    assert registry.nodes["victim"].request.address == "http://10.0.0.9:1"
+
+
+def test_a_heartbeat_claims_only_assigned_or_registered_spans() -> None:
+    client, _, registry = tracker()
+    answer = register(client, "a", "http://10.0.0.1:1", loaded=[{"model": "m", "span": SPAN}])
+    token = answer.json()["token"]
+    assigned = [d["span"] for d in answer.json()["directives"] if d["op"] == "LOAD_SHARD"]
+    held = [{"model": "m", "span": s} for s in [SPAN, *assigned]]
+    assert client.post(
+        "/v1/nodes/heartbeat", json={"node_id": "a", "token": token, "loaded": held}
+    ).is_success
+    fake = [{"model": "m", "span": {"start": 3, "end": 7}}]
+    refused = client.post(
+        "/v1/nodes/heartbeat", json={"node_id": "a", "token": token, "loaded": fake}
+    )
+    assert refused.status_code == 400 and "m 3:7, which it was never assigned" in refused.text
+    assert ("m", (3, 7)) not in {(m, (s.start, s.end)) for m, s in registry.nodes["a"].loaded}
+
+
+def test_a_registration_claiming_more_than_its_budget_is_refused() -> None:
+    client, _, registry = tracker()
+    whole = [{"model": "m", "span": {"start": 0, "end": 30}}]  # 300 MB of layers
+    body = {"budget_bytes": 100 * MB, "loaded": whole}
+    refused = client.post(
+        "/v1/nodes/register",
+        json={"node_id": "a", "address": "http://10.0.0.1:1", "quant": "fp32", "throughput": 1}
+        | body,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["field"] == "budget_bytes"
+    assert registry.nodes == {}
