@@ -96,3 +96,15 @@ def test_concurrency_benchmark_prints_a_row_per_level() -> None:
     ]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
     assert all(float(row.split("|")[3]) > 0 for row in rows)  # aggregate tokens/s
+
+
+def test_attack_benchmark_prints_what_each_probe_got() -> None:
+    rows = {
+        row[1].strip(): (row[2].strip(), row[3].strip())
+        for line in run_tiny("attacks.py", timeout_s=120).splitlines()
+        if line.startswith("| ") and (row := line.split("|"))
+    }
+    assert rows["unsigned 48 MiB POST /forward"] == ("HTTP/1.1 401 Unauthorized", "0")
+    assert rows["48 MiB POST with an hour-old proof"] == ("HTTP/1.1 401 Unauthorized", "0")
+    assert rows["8 MiB of headers"][0].startswith("HTTP/1.1 431")
+    assert float(rows["100 unsigned 48 MiB POSTs at once"][1]) < 100  # MiB: nothing buffered

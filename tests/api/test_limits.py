@@ -23,6 +23,7 @@ def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig())
     limiter = ClientLimiter(limits)
     app = create_app({"fake": generator}, 8, limits=limits, access=access, limiter=limiter)
     app.state.runners, app.state.limiter = runners, limiter
+    app.state.generator = generator
     app.state.service = generator.pipeline.executor  # the entry's NodeService
     return app
 
@@ -144,3 +145,19 @@ def test_the_entry_span_counts_against_the_session_limit() -> None:
     assert no_leftovers(app)
     service.max_sessions = 64
     assert post(app, CHAT).status_code == 200
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized() -> None:
+    """Review finding 9: a 4 MiB prompt was tokenized on the event loop before its length
+    was checked (the schema caps a message at 1M characters). It is refused by its
+    character count; the codec never sees it."""
+    app = make(ApiLimits(max_prompt_tokens=1024, max_body_bytes=8 << 20))
+    codec = app.state.generator.codec
+    seen: list[int] = []
+    chat = codec.chat
+    codec.chat = lambda messages: seen.append(1) or chat(messages)
+    huge = CHAT | {"messages": [{"role": "user", "content": "x" * 900_000}]}  # < the schema cap
+    response = post(app, huge)
+    assert response.status_code == 400 and "characters" in response.json()["error"]["message"]
+    assert seen == [] and no_leftovers(app)
+    assert post(app, CHAT).status_code == 200 and seen == [1]

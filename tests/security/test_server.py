@@ -74,3 +74,29 @@ def test_the_next_request_on_a_kept_alive_connection_has_a_deadline_too(port: in
     first = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
     answer, took_s = exchange(port, first + b"GET / HTTP/1.1\r\nHost: x\r\n")
     assert answer.count(b"HTTP/1.1 200") == 1 and took_s < 2.0
+
+
+async def who(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(str(request.client.host if request.client else None))
+
+
+def test_forwarded_headers_never_change_who_the_caller_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding 5: with FORWARDED_ALLOW_IPS=* (common in containers) uvicorn took
+    X-Forwarded-For as the caller, so "X-Forwarded-For: 127.0.0.1" made a stranger loopback.
+    The caller is the TCP peer, whatever the headers say."""
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "*")
+    app = Starlette()
+    app.add_route("/who", who)
+    chosen = free_port()
+    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, LIMITS))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        request = b"GET /who HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\n"
+        answer, _ = exchange(chosen, request + b"Connection: close\r\n\r\n")
+        assert answer.endswith(b"127.0.0.1")  # the peer, not the header's 203.0.113.9
+    finally:
+        server.should_exit = True
+        thread.join(5)

@@ -8,6 +8,7 @@ HTTP errors in OpenAI's shape; an error after streaming began is sent as a final
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -117,7 +118,8 @@ def api_router(
         limiter.admit(client)
         generator = generator_for(request.model)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        prompt = generator.codec.chat(messages)
+        check_chars(sum(len(m["content"]) for m in messages), limits, "messages")
+        prompt = await asyncio.to_thread(generator.codec.chat, messages)  # off the loop
         check_prompt(prompt, limits, "messages")
         # a request that names no length gets the default, never more than the limit allows
         room = generator.max_context - len(prompt)
@@ -134,7 +136,8 @@ def api_router(
         client = client_of(http.scope)
         limiter.admit(client)
         generator = generator_for(request.model)
-        prompt = generator.codec.encode(request.text())
+        check_chars(len(request.text()), limits, "prompt")
+        prompt = await asyncio.to_thread(generator.codec.encode, request.text())
         check_prompt(prompt, limits, "prompt")
         check_max_tokens(request.params(), limits, "max_tokens")
         events = _limited(generator.stream(prompt, request.params()), limiter, client)
@@ -142,6 +145,21 @@ def api_router(
         return await _respond(events, request, render, "text_completion")
 
     return router
+
+
+CHARS_PER_TOKEN = 16  # a prompt over this many characters a token is refused untokenized
+
+
+def check_chars(chars: int, limits: ApiLimits, field: str) -> None:
+    """Refuse (400) a prompt too long to fit however it tokenizes, before tokenizing it:
+    the tokenizer's time grows with the text, whatever the token limit."""
+    if chars > limits.max_prompt_tokens * CHARS_PER_TOKEN:
+        raise RequestError(
+            f"the prompt has {chars} characters; this server takes at most "
+            f"{limits.max_prompt_tokens} tokens ({limits.max_prompt_tokens * CHARS_PER_TOKEN} "
+            "characters)",
+            field=field,
+        )
 
 
 def check_prompt(prompt: list[int], limits: ApiLimits, field: str) -> None:

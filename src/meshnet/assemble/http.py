@@ -117,6 +117,8 @@ def server_config(
         log_level="warning",
         http=protocol,
         limit_concurrency=limits.max_connections,
+        # the caller is the TCP peer: no X-Forwarded-For may make a stranger loopback
+        proxy_headers=False,
         timeout_keep_alive=limits.keep_alive_s,
         **extra,
     )

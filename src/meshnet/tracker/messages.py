@@ -6,8 +6,9 @@ Every model forbids unknown fields and is frozen; handlers receive these, never 
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshnet.types import LayerSpan, Quant
 
@@ -61,6 +62,22 @@ class RegisterRequest(Message):
     # are given spans from layer 0
     entry: bool = True
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
+
+    @field_validator("address")
+    @classmethod
+    def _plain_address(cls, address: str) -> str:
+        """scheme://host:port and nothing else: no user info, query or fragment (the probe
+        and every hop append their own paths to it)."""
+        parts = urlsplit(address)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.username is not None or parts.query or parts.fragment or "?" in address:
+            raise ValueError("an address is scheme://host:port, with no user, query or fragment")
+        if not parts.hostname or port == -1 or "#" in address:
+            raise ValueError("an address needs a host and, if given, a port from 0 to 65535")
+        return address
 
     @model_validator(mode="after")
     def _reserve_within_budget(self) -> RegisterRequest:

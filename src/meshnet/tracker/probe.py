@@ -4,6 +4,8 @@ node id and the challenge proof in the answer (ADR-0017)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import secrets
 from typing import Protocol
 
@@ -12,6 +14,13 @@ import httpx
 from meshnet.errors import MeshError
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import challenge_proof
+
+MAX_ANSWER_BYTES = 4096  # an identity answer is ~150 bytes
+# one text for every way a probe fails: no oracle for what is (or is not) at an address
+PROBE_FAILED = (
+    "node {} did not answer the tracker's probe at {} as a member; it must be reachable by "
+    "the tracker at the address it registers, and hold the mesh's swarm key"
+)
 
 
 class ProbeError(MeshError):
@@ -47,22 +56,33 @@ class HttpProber:
     async def probe(self, node_id: str, address: str) -> None:
         challenge = secrets.token_hex(16)
         try:
-            async with httpx.AsyncClient(
-                timeout=self.timeout_s, auth=self.signer.auth(), transport=self.transport
-            ) as http:
-                response = await http.get(f"{address}/v1/identity", params={"challenge": challenge})
-            answer = response.json() if response.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ProbeError(
-                f"node {node_id} is not reachable at {address} ({type(exc).__name__}); it must "
-                "be reachable by the tracker at the address it registers",
-                field="address",
-            ) from exc
-        if response.status_code != 200:
-            raise ProbeError(
-                f"{address} refused the tracker's probe ({response.status_code})", field="address"
-            )
+            async with asyncio.timeout(self.timeout_s):  # in all: a trickled answer ends too
+                status, body = await self._get(address, challenge)
+            answer = json.loads(body) if status == 200 else {}
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, TimeoutError) as exc:
+            raise ProbeError(PROBE_FAILED.format(node_id, address), field="address") from exc
+        if status != 200 or not isinstance(answer, dict):
+            raise ProbeError(PROBE_FAILED.format(node_id, address), field="address")
         self._check_answer(node_id, address, challenge, answer)
+
+    async def _get(self, address: str, challenge: str) -> tuple[int, bytes]:
+        """The identity answer's status and at most `MAX_ANSWER_BYTES` of its body, read as
+        sent (an encoded body is never inflated)."""
+        headers = {"Accept-Encoding": "identity"}
+        async with (
+            httpx.AsyncClient(
+                timeout=self.timeout_s, auth=self.signer.auth(), transport=self.transport
+            ) as http,
+            http.stream(
+                "GET", f"{address}/v1/identity", params={"challenge": challenge}, headers=headers
+            ) as response,
+        ):
+            body = b""
+            async for piece in response.aiter_raw():
+                body += piece
+                if len(body) > MAX_ANSWER_BYTES:
+                    raise ValueError("the identity answer is too long")
+            return response.status_code, body
 
     def _check_answer(
         self, node_id: str, address: str, challenge: str, answer: dict[str, object]
@@ -70,9 +90,7 @@ class HttpProber:
         key = self.signer.key
         expected = challenge_proof(key, challenge, node_id) if key else ""
         if answer.get("node_id") != node_id or answer.get("proof") != expected:
-            raise ProbeError(
-                f"{address} does not answer as node {node_id} with a valid proof", field="address"
-            )
+            raise ProbeError(PROBE_FAILED.format(node_id, address), field="address")
 
     async def reachable(self, address: str) -> bool:
         try:
@@ -80,7 +98,7 @@ class HttpProber:
                 await http.get(f"{address}/health")
         except httpx.ConnectError:
             return False
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):
             return True
         return True
 
