@@ -1,4 +1,12 @@
-"""Sampled token ids -> the text a stream may send now (stop sequences held back)."""
+"""Sampled token ids -> the text a stream may send now (stop sequences held back).
+
+Detokenizing is incremental (review finding 9: decoding every id again for each token was
+O(n^2) on the event loop): each token decodes only a short window of ids, from the last
+point where the text was stable to the end, and the new text is what that window adds to
+its own stable prefix. A window ending in an unfinished UTF-8 sequence (U+FFFD) waits for
+the next token. The end of a request decodes all ids once, so the final text is exactly
+the tokenizer's decode of everything.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +24,9 @@ class Decoding:
 
     generated: list[int] = field(default_factory=list)
     emitted: int = 0  # characters of the decoded text already sent
+    text: str = ""  # the decoded text of `generated[:read]`
+    prefix: int = 0  # ids before this decoded with the text before them (a stable point)
+    read: int = 0  # ids decoded into `text`
     reason: FinishReason | None = None
     first_s: float = 0.0
 
@@ -25,15 +36,25 @@ class Decoding:
             self.reason = "stop"
             return self._flush(codec.decode(self.generated))
         self.generated.append(token)
-        text = codec.decode(self.generated)
+        text = self._decode(codec)
         cut = scan(text, params.stop)
         if cut.stopped:
             self.reason = "stop"
             return self._take(text, cut.safe_end)
         if len(self.generated) >= params.max_tokens:
             self.reason = "length"
-            return self._flush(text)
+            return self._flush(codec.decode(self.generated))
         return self._take(text, cut.safe_end)
+
+    def _decode(self, codec: TextCodec) -> str:
+        """The text of every id so far, decoding only the window since the last stable point."""
+        before = codec.decode(self.generated[self.prefix : self.read])
+        window = codec.decode(self.generated[self.prefix :])
+        if window.endswith("\ufffd") or not window.startswith(before):
+            return self.text  # an unfinished character: wait for the next id
+        self.text += window[len(before) :]
+        self.prefix, self.read = self.read, len(self.generated)
+        return self.text
 
     def _take(self, text: str, end: int) -> str:
         delta = text[self.emitted : end] if end > self.emitted else ""
