@@ -34,14 +34,14 @@ def app() -> Iterator[FastAPI]:
 
 
 def client(app: FastAPI) -> openai.AsyncOpenAI:
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh")
-    return openai.AsyncOpenAI(api_key="unused", base_url="http://mesh/v1", http_client=http)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
+    return openai.AsyncOpenAI(api_key="unused", base_url="http://localhost/v1", http_client=http)
 
 
 def post(app: FastAPI, path: str, body: dict[str, object]) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             return await http.post(path, json=body)
 
     return run(go())

@@ -31,7 +31,7 @@ def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig())
 def post(app: FastAPI, body: dict[str, object], **kwargs: object) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             return await http.post("/v1/chat/completions", json=body, **kwargs)  # type: ignore[arg-type]
 
     return run(go())
@@ -98,8 +98,10 @@ def test_api_keys_with_the_openai_client() -> None:
     app = make(access=AccessConfig(api_keys=("client-key-0001",)))
 
     def ask(key: str) -> str:
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh")
-        client = openai.AsyncOpenAI(api_key=key, base_url="http://mesh/v1", http_client=http)
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+        )
+        client = openai.AsyncOpenAI(api_key=key, base_url="http://localhost/v1", http_client=http)
         answer = run(client.completions.create(model="fake", prompt="abc", max_tokens=3))
         return answer.choices[0].text
 

@@ -49,7 +49,7 @@ def test_the_tracker_made_a_private_key_and_strangers_cannot_join(mesh: Mesh) ->
     assert nowhere.status_code == 400 and nowhere.json()["error"]["field"] == "address"
     # ...nor one claiming another node's address (the probe answers with that node's id)
     impostor = httpx.post(url, json=body, timeout=10, auth=Signer(key).auth())
-    assert impostor.status_code == 400 and "does not answer as" in impostor.text
+    assert impostor.status_code == 400 and "did not answer the tracker's probe" in impostor.text
     assert members(mesh) == before and "intruder" not in str(mesh.coverage())
 
 

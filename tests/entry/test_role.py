@@ -39,7 +39,8 @@ def complete(client: TestClient) -> tuple[int, dict[str, object]]:
 
 def test_the_api_answers_for_the_models_whose_entry_span_the_node_holds(tmp_path: Path) -> None:
     app = build_app(node_config(tmp_path))
-    client = TestClient(app, client=("127.0.0.1", 50000))  # loopback: no API key needed
+    # loopback, naming localhost: no API key needed
+    client = TestClient(app, base_url="http://localhost", client=("127.0.0.1", 50000))
     assert client.get("/v1/models").json()["data"] == []  # no span from layer 0 yet
     status, body = complete(client)
     assert status == 404 and "not served here" in str(body)

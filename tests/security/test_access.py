@@ -55,7 +55,8 @@ def call(
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app(access), client=(host, 1234))
         auth = signer.auth() if signer else None
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", auth=auth) as c:
+        local = "http://localhost"
+        async with httpx.AsyncClient(transport=transport, base_url=local, auth=auth) as c:
             return await c.request(method, path, **kwargs)  # type: ignore[arg-type]
 
     calls.clear()
@@ -103,7 +104,7 @@ def test_a_signed_call_sent_twice_to_the_same_app_gets_in_once() -> None:
 
     async def send_twice() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 1234))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return [
                 await client.post("/member", headers=headers, content=b"payload") for _ in range(2)
             ]
@@ -160,7 +161,7 @@ def test_the_probe_accepts_a_member_at_its_address_and_nothing_else() -> None:
             run(prober.probe(node_id, "http://node-a"))
         assert refused.value.field == "address"
     unreachable = HttpProber(Signer(SWARM), timeout_s=0.5)
-    with pytest.raises(MeshError, match="not reachable"):
+    with pytest.raises(MeshError, match="did not answer the tracker.s probe"):
         run(unreachable.probe("node-a", "http://127.0.0.1:9"))
 
 
@@ -174,3 +175,16 @@ def test_only_the_trackers_own_entry_node_skips_the_probe() -> None:
         ("entry-1", "http://10.0.0.9:8000"),
         ("node-b", "http://127.0.0.1:8000"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [("localhost:8000", 200), ("127.0.0.1", 200), ("[::1]:8000", 200), ("evil.example", 401)],
+)
+def test_keyless_loopback_trust_needs_a_local_host_name(host: str, status: int) -> None:
+    """Review finding 5: DNS rebinding makes a browser page on this machine a loopback
+    caller, but its requests still name the page's own host."""
+    response = call(AccessConfig(swarm_key=SWARM), "GET", "/api", headers={"Host": host})
+    assert response.status_code == status
+    if status == 401:
+        assert response.json()["error"]["field"] == "Host"

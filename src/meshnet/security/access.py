@@ -68,6 +68,26 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def check_local_host(header: str) -> None:
+    """A keyless API trusts loopback callers only when they name this machine: a page a
+    browser loaded from elsewhere, rebinding its DNS name to 127.0.0.1, still sends its own
+    name as Host (review finding 5)."""
+    name = header.lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:].split("]")[0]
+    elif name.count(":") == 1:  # host:port
+        name = name.split(":")[0]
+    if name not in LOCAL_NAMES and not name.startswith("127."):
+        raise AuthError(
+            f"a loopback client without an API key must address this machine as localhost, "
+            f"not {header[:100]!r} (or start the server with --api-key)",
+            field="Host",
+        )
+
+
 def key_tag(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
@@ -139,7 +159,10 @@ class Credentials:
                 field="Authorization",
             )
         host = _client_host(scope)
-        if self.access.allow_unauthenticated or is_loopback(host):
+        if self.access.allow_unauthenticated:
+            return f"ip:{host}"
+        if is_loopback(host):
+            check_local_host(headers.get("host", ""))
             return f"ip:{host}"
         raise AuthError(
             "this API has no keys configured and answers loopback clients only; start it with "
