@@ -66,5 +66,7 @@ def test_nodes_refuse_unsigned_frames_and_replays(mesh: Mesh) -> None:
     headers["Content-Type"] = "application/json"
     first = httpx.post(f"{mesh.url}/v1/nodes/report", content=body, headers=headers)
     again = httpx.post(f"{mesh.url}/v1/nodes/report", content=body, headers=headers)
-    assert first.status_code == 200 and again.status_code == 401
-    assert "replay" in again.json()["error"]["message"]
+    # signed, but by no registered reporter with its membership token (ADR-0030): 403;
+    # sent again, the proof itself is refused as a replay
+    assert first.status_code == 403 and first.json()["error"]["field"] == "reporter"
+    assert again.status_code == 401 and "replay" in again.json()["error"]["message"]

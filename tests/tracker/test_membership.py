@@ -13,7 +13,7 @@ from meshnet.tracker.app import create_app
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
 from meshnet.tracker.registry import Registry
-from meshnet.types import ModelId
+from meshnet.types import ModelId, NodeId
 
 MB = 1 << 20
 SPAN = {"start": 0, "end": 10}
@@ -98,3 +98,38 @@ def test_a_registration_claiming_more_than_its_budget_is_refused() -> None:
     )
     assert refused.status_code == 400 and refused.json()["error"]["field"] == "budget_bytes"
     assert registry.nodes == {}
+
+
+def test_a_span_told_to_drop_may_still_be_claimed_until_it_is_dropped() -> None:
+    """Found in the end-to-end mesh: a DROP in flight while the node beats with the span
+    still loaded must not look like a claim of a span never assigned."""
+    from meshnet.tracker import messages as msg
+    from meshnet.types import LayerSpan
+
+    offers = [ModelOffer(ModelId("m"), 30, {"fp32": 10 * MB})]
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=60.0, clock=lambda: 0.0)
+
+    def ref(start: int, end: int) -> msg.ShardRef:
+        return msg.ShardRef(model="m", span=LayerSpan(start, end))
+
+    def node(name: str, budget_mb: int, *spans: msg.ShardRef) -> msg.RegisterRequest:
+        return msg.RegisterRequest(
+            node_id=name,
+            address=f"http://10.0.0.{len(name)}:1",
+            budget_bytes=budget_mb * MB,
+            quant="fp32",
+            throughput=1.0,
+            loaded=list(spans),
+        )
+
+    registry.register(node("b", 200, ref(0, 10), ref(10, 20)))
+    registry.register(node("c", 100, ref(20, 30)))
+    given = registry.register(node("a", 100))  # a second entry: assigned, not registered
+    assert [(d.op, str(d.span)) for d in given] == [("LOAD_SHARD", "0:10")]
+    registry.heartbeat(msg.HeartbeatRequest(node_id="a", loaded=[ref(0, 10)]))
+    registry.leave(NodeId("c"))  # 20:30 is a gap: a's copy of 0:10 makes room for it
+    ops = [(d.op, str(d.span)) for d in registry.nodes[NodeId("a")].pending]
+    assert ops == [("DROP_SHARD", "0:10"), ("LOAD_SHARD", "20:30")]
+    beat = msg.HeartbeatRequest(node_id="a", loaded=[ref(0, 10)], loading=[ref(20, 30)])
+    registry.heartbeat(beat)  # accepted: 0:10 is still there, on its way out
+    assert (ModelId("m"), LayerSpan(0, 10)) not in registry.nodes[NodeId("a")].loaded

@@ -50,6 +50,15 @@ class RefusedError(Exception):
     """The tracker answered a control-plane call with an error."""
 
 
+def _claims_refused(response: httpx.Response) -> bool:
+    """A heartbeat refused for spans this tracker did not assign (it restarted while a load
+    was under way): registering again declares them, within the budget."""
+    try:
+        return response.status_code == 400 and response.json()["error"]["field"] == "loaded"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def _check(response: httpx.Response, what: str) -> None:
     """Raise `RefusedError` with the tracker's own words when it refused `what`."""
     if response.is_success:
@@ -137,7 +146,7 @@ class NodeAgent:
         )
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
 
-        if response.status_code in (403, 404):
+        if response.status_code in (403, 404) or _claims_refused(response):
             log.info("the tracker does not know this node (restarted?); registering again")
             self.registered = False
             await self._register()

@@ -180,8 +180,10 @@ class Registry:
             loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
             loading = {self._key(ref) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
-            allowed = record.assigned | record.pinned | record.loaded
-            check_claims(beat.node_id, loaded | loading | failed, allowed, "claims")
+            # what enters routes: assigned, registered with, held before, or told to drop
+            # and not dropped yet
+            allowed = record.assigned | record.pinned | record.loaded | record.dropping
+            check_claims(beat.node_id, loaded, allowed, "claims")
             record.last_seen_s = self.clock()
             reported = loaded | loading
             record.dropping &= reported  # what it no longer reports, it has dropped
