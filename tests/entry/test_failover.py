@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from meshnet.entry.routes import StaticRoutes, TrackerRoutes
-from meshnet.entry.transport import HttpTransport
 from meshnet.errors import HopError, MissingLayersError, RouteError
-from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
 from meshnet.text.events import Delta
 from meshnet.text.params import GenerationParams, SamplingParams
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
@@ -173,35 +168,6 @@ def test_non_finite_activations_are_that_hops_failure(position: int, value: floa
     assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
     routes = generator.pipeline.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
-
-
-def test_a_real_http_hop_answering_nan_is_that_hops_failure() -> None:
-    """Over the real transport: the entry refuses the frame and blames the hop that sent it."""
-    runner = Poisoned(EchoRunner(ModelId("m"), LayerSpan(2, 4)), 0, float("nan"))
-    app = create_node_app(runner)  # type: ignore[arg-type]
-
-    async def scenario() -> HopError:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        transport = HttpTransport()
-        hop = Hop(NodeId("bad"), f"http://127.0.0.1:{port}", LayerSpan(2, 4))
-        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
-        try:
-            with pytest.raises(HopError) as failed:
-                await transport.forward(hop, meta, torch.ones(1, 3, 8))
-            return failed.value
-        finally:
-            await transport.aclose()
-            server.should_exit = True
-            await task
-
-    error = run(scenario())
-    assert error.hop is not None and error.hop.node_id == "bad"
-    assert "NaN or Inf" in error.message
 
 
 class FullRunner(EchoRunner):

@@ -20,13 +20,14 @@ from meshnet.config import WireLimits
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.transport import HttpTransport, checked_output
 from meshnet.errors import HopError
+from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta, encode
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
-from tests.entry.test_failover import PARAMS, PROMPT, failure_free
+from tests.entry.test_failover import PARAMS, PROMPT, Poisoned, failure_free
 from tests.entry.test_generation import collect
 
 Twist = Callable[[FrameMeta, torch.Tensor], tuple[FrameMeta, torch.Tensor]]
@@ -146,3 +147,11 @@ def test_an_answer_for_another_session_position_or_span_is_refused(
     lie = replace(sent, **change)
     with pytest.raises(HopError, match="bad frame"):
         checked_output(hop, *answer_frame(hidden, lie), WireLimits(), sent, hidden)
+
+
+def test_a_real_http_hop_answering_nan_is_that_hops_failure() -> None:
+    """Over the real transport: the entry refuses the frame and blames the hop that sent it."""
+    runner = Poisoned(EchoRunner(ModelId("m"), LayerSpan(2, 4)), 0, float("nan"))
+    error = ask(create_node_app(runner), WireLimits())  # type: ignore[arg-type]
+    assert error.hop is not None and error.hop.node_id == "liar"
+    assert "NaN or Inf" in error.message

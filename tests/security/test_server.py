@@ -3,6 +3,7 @@ never finishes its headers is closed, a normal request is served (review finding
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -24,19 +25,28 @@ async def hello(request: Request) -> PlainTextResponse:
     return PlainTextResponse("hello")
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    app = Starlette()
-    app.add_route("/", hello)
+@contextlib.contextmanager
+def serving(app: Starlette) -> Iterator[int]:
+    """`app` under uvicorn as meshnet configures it, in a thread; its port."""
     chosen = free_port()
     server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, LIMITS))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield chosen
-    server.should_exit = True
-    thread.join(5)
+    try:
+        yield chosen
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    app = Starlette()
+    app.add_route("/", hello)
+    with serving(app) as chosen:
+        yield chosen
 
 
 def exchange(port: int, data: bytes, wait_s: float = 5.0) -> tuple[bytes, float]:
@@ -87,16 +97,7 @@ def test_forwarded_headers_never_change_who_the_caller_is(monkeypatch: pytest.Mo
     monkeypatch.setenv("FORWARDED_ALLOW_IPS", "*")
     app = Starlette()
     app.add_route("/who", who)
-    chosen = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, LIMITS))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
+    with serving(app) as chosen:
         request = b"GET /who HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\n"
         answer, _ = exchange(chosen, request + b"Connection: close\r\n\r\n")
-        assert answer.endswith(b"127.0.0.1")  # the peer, not the header's 203.0.113.9
-    finally:
-        server.should_exit = True
-        thread.join(5)
+    assert answer.endswith(b"127.0.0.1")  # the peer, not the header's 203.0.113.9
