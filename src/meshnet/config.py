@@ -89,6 +89,9 @@ class EntryConfig:
     # the entry's own decode round waits this long at most for sessions of the last one that
     # are still on their way through the hops: sessions out of step join one batch (ADR-0027)
     step_wait_s: float = 0.1
+    # what one session's hops were sent, kept to replay into a replacement hop; a session
+    # past it goes on without failover (8,192 tokens x H 576 x 2 B x 2 hops = 19 MB)
+    max_replay_bytes: int = 256 * MiB
 
 
 @dataclass(frozen=True)

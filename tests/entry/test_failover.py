@@ -203,3 +203,19 @@ def test_every_copy_at_its_limit_gives_the_client_429_at_once() -> None:
     assert refused.value.http_status == 429 and "limit" in refused.value.message
     assert time.perf_counter() - started < 0.5  # no backoff rounds for a full mesh
     assert all(r.session_count() == 0 for r in runners.values())
+
+
+def test_a_session_past_its_replay_budget_fails_clearly_instead_of_failing_over() -> None:
+    """Review finding 9: what each hop was sent was kept without bound (400 MB a session
+    at 8,192 tokens and H 8,192). Past the budget the session gives its inputs up; a hop
+    failure then ends it with a message saying why, and within it the output is unchanged."""
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    generator.pipeline.max_replay_bytes = 1024  # ~ 40 tokens of H 8 at bf16, per hop
+    kill_at(transport, "a", 55)
+    with pytest.raises(HopError, match="replay budget of 1024 bytes"):
+        run(collect(generator, PROMPT, PARAMS))
+    assert all(r.session_count() == 0 for name, r in runners.items() if name != "a")
+    generous, transport, _ = fake_mesh(chunk_tokens=16, replicas=True)
+    generous.pipeline.max_replay_bytes = 1 << 20
+    kill_at(transport, "a", 55)
+    assert run(collect(generous, PROMPT, PARAMS))[0] == failure_free()

@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: HopError) -> None:
     """Replace `session.hops[k]`, which just failed with `error`; raises when nothing can."""
     started, failed = time.perf_counter(), session.hops[k]
+    if not session.replayable:  # nothing to rebuild a replacement's cache from
+        raise HopError(
+            f"{error.message}; this session's inputs passed the entry's replay budget of "
+            f"{pipeline.max_replay_bytes} bytes, so it cannot move to another copy",
+            status=error.status,
+            hop=error.hop,
+        ) from error
     last: MeshError = error
     await _ban(pipeline, session, failed, error)
     for attempt in range(pipeline.retry.max_attempts):
@@ -53,6 +60,7 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
         else:
             session.hops[k : k + 1] = chain
             session.inputs[k : k + 1] = inputs
+            session.recount()
             session.fresh.update(chain)
             pause = time.perf_counter() - started
             session.failover_pauses_s.append(pause)

@@ -60,9 +60,31 @@ class PipelineSession:
     banned: set[NodeId] = field(default_factory=set)  # hops that failed this session
     fresh: set[Hop] = field(default_factory=set)  # replacements joined mid-prefill
     failover_pauses_s: list[float] = field(default_factory=list)
+    replay_bytes: int = 0  # bytes held in `inputs`
+    replayable: bool = True  # False once `inputs` outgrew the budget: no failover then
 
     def __post_init__(self) -> None:
         self.inputs = self.inputs or [[] for _ in self.hops]
+
+    def record(self, k: int, hidden: torch.Tensor, max_bytes: int) -> None:
+        """Keep what hop `k` was sent, for replay, while the session stays within
+        `max_bytes` of such inputs; past it, give them all up (review finding 9)."""
+        if not self.replayable:
+            return
+        size = hidden.numel() * hidden.element_size()
+        if self.replay_bytes + size > max_bytes:
+            log.warning(
+                "session %s: replay inputs pass %d bytes; no failover for it", self.id, max_bytes
+            )
+            self.replayable, self.replay_bytes = False, 0
+            self.inputs = [[] for _ in self.hops]
+            return
+        self.inputs[k].append(hidden)
+        self.replay_bytes += size
+
+    def recount(self) -> None:
+        """`replay_bytes` again from `inputs` (after a failover replaced some)."""
+        self.replay_bytes = sum(t.numel() * t.element_size() for ts in self.inputs for t in ts)
 
 
 class Pipeline:
@@ -83,6 +105,7 @@ class Pipeline:
         local_chunk_tokens: int = 2048,
         metrics: Metrics | None = None,
         step_wait_s: float = 0.1,
+        max_replay_bytes: int = 256 << 20,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -97,6 +120,7 @@ class Pipeline:
         self.local_chunk_tokens = local_chunk_tokens
         self.retry = retry
         self.step_wait_s = step_wait_s  # see `EntryConfig.step_wait_s`
+        self.max_replay_bytes = max_replay_bytes  # per session, for failover
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
         self.metrics = metrics or Metrics()
 
@@ -220,7 +244,7 @@ class Pipeline:
                 await failover(self, session, k, exc)
                 self.metrics.failovers.inc()
                 continue
-            session.inputs[k].append(hidden)
+            session.record(k, hidden, self.max_replay_bytes)
             hidden, k = out, k + 1
         return hidden
 

@@ -167,6 +167,7 @@ def make_generator(
         retry=entry.retry,
         metrics=service.metrics,
         step_wait_s=entry.step_wait_s,
+        max_replay_bytes=entry.max_replay_bytes,
     )
     return Generator(
         pipeline,
