@@ -110,7 +110,8 @@ class HopError(MeshError):
     def __init__(self, message: str, *, status: int | None, hop: Any = None) -> None:
         super().__init__(message)
         self.status = status  # the hop's HTTP status; None when it never answered
-        self.hop = hop  # the `client.transport.Hop` that failed, when known
+        self.hop = hop  # the `types.Hop` that failed, when known
+        self.stale = False  # the hop no longer serves those layers: our route was old
         if status == 429:  # a hop at its limits: the client should retry later, as with ours
             self.http_status = 429
 

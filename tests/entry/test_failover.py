@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from meshnet.entry.routes import StaticRoutes, TrackerRoutes
+from meshnet.entry.transport import hop_error
 from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
 from meshnet.text.events import Delta
 from meshnet.text.params import GenerationParams, SamplingParams
+from meshnet.types import Hop, NodeId
 from meshnet.wire import FrameMeta
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
@@ -219,3 +221,20 @@ def test_a_session_past_its_replay_budget_fails_clearly_instead_of_failing_over(
     generous.pipeline.max_replay_bytes = 1 << 20
     kill_at(transport, "a", 55)
     assert run(collect(generous, PROMPT, PARAMS))[0] == failure_free()
+
+
+def test_a_hop_that_no_longer_serves_the_layers_is_skipped_but_not_reported() -> None:
+    """Found in the end-to-end mesh: a node that dropped 10:20 to load 20:30 answers 400
+    for 10:20; reported, it left routes for 20:30 too. A stale route is not its fault."""
+    generator, transport, _ = fake_mesh(chunk_tokens=16, replicas=True)
+    body = b'{"error": {"message": "this node serves fake 8:10", "field": "X-Meshnet-Layers"}}'
+
+    def moved(to: str, meta: FrameMeta) -> None:
+        if to == "a" and meta.position > 52:
+            raise hop_error(Hop(NodeId("node-a"), "a", meta.span), 400, body)
+
+    transport.before_frame = moved
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free() and len(end.failover_pauses_s) == 1
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == []  # still routable

@@ -73,9 +73,10 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
 
 
 async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: HopError) -> None:
-    """Leave `hop` out of this session; tell the tracker unless it was only busy (429)."""
+    """Leave `hop` out of this session; tell the tracker unless it was only busy (429) or
+    no longer serves those layers (a stale route: it is healthy, and may serve others)."""
     session.banned.add(hop.node_id)
-    if not error.busy:
+    if not error.busy and not error.stale:
         await pipeline.routes.report(hop.node_id, str(error))
     # in case it is alive after all; in the background, so that a hung hop (which may take the
     # close call's whole timeout) does not lengthen the pause

@@ -23,7 +23,7 @@ from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
 from meshnet.types import Hop, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
-from meshnet.wire.headers import ENCODING
+from meshnet.wire.headers import ENCODING, LAYERS
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,14 @@ def checked_output(
 def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
     """A `HopError` carrying the remote node's own error message when it sent one."""
     try:
-        message = str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = body[:200].decode("utf-8", "replace")
-    return HopError(f"hop {hop} answered {status}: {message}", status=status, hop=hop)
+        error = json.loads(body)["error"]
+        message, field = str(error["message"]), error.get("field")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, field = body[:200].decode("utf-8", "replace"), None
+    failure = HopError(f"hop {hop} answered {status}: {message}", status=status, hop=hop)
+    # "this node serves other layers": it dropped the span since our route was drawn
+    failure.stale = status == 400 and field == LAYERS
+    return failure
 
 
 class InProcessTransport:
