@@ -25,6 +25,7 @@ from meshnet.security.swarm import SwarmKey, sign
 
 KEY = "attack-benchmark-swarm-key"
 MiB = 1 << 20
+TO = "unregistered"  # the node id of a node that never joined a tracker
 SERVER = """
 import sys, uvicorn
 from meshnet.assemble.http import ServerLimits, server_config
@@ -127,7 +128,7 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.05)
-        stale = sign(SwarmKey.from_text(KEY), "POST", b"/forward", b"", time.time() - 3600)
+        stale = sign(SwarmKey.from_text(KEY), "POST", b"/forward", b"", time.time() - 3600, TO)
         rows = [
             ("unsigned 48 MiB POST /forward", *upload(port, None), "body bytes sent"),
             ("48 MiB POST with an hour-old proof", *upload(port, stale), "body bytes sent"),
@@ -142,7 +143,8 @@ def main() -> None:
             status, took = held_s(port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
             rows.append(("half-sent headers", status, round(took, 1), "s until closed"))
             body = b"x" * 10
-            proof = sign(SwarmKey.from_text(KEY), "POST", b"/forward", b"x" * 200_000, time.time())
+            key = SwarmKey.from_text(KEY)
+            proof = sign(key, "POST", b"/forward", b"x" * 200_000, time.time(), TO)
             head = "POST /forward HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n"
             head += f"X-Meshnet-Auth: {proof}\r\n\r\n"
             status, took = held_s(port, head.encode() + body)

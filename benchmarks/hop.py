@@ -71,7 +71,9 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
             start = time.perf_counter()
             frame = encode(x, meta)
             body = bytes(frame.body)
-            headers = frame.headers | signer.headers("POST", "/forward", body)
+            to = "unregistered"  # a node that never joined a tracker
+            proof = signer.headers("POST", "/forward", body, to=to, headers=frame.headers)
+            headers = frame.headers | proof
             async with client_session.post("/forward", headers=headers, data=body) as reply:
                 decode(reply.headers, await reply.read())
             samples.append(time.perf_counter() - start)

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshnet.security.signing import Signer
+from meshnet.security.swarm import TRACKER
 from meshnet.terminal import ApiError, check_response
 
 STATE_STYLE = {"ready": "green", "loading": "blue", "idle": "dim", "late": "yellow"}
@@ -25,7 +26,7 @@ def fetch_coverage(
 ) -> dict[str, Any]:
     """The tracker's coverage answer; `ApiError` (the server's words) or `httpx.HTTPError`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    auth = Signer(swarm_key).auth() if swarm_key and not api_key else None
+    auth = Signer(swarm_key).auth(TRACKER) if swarm_key and not api_key else None
     with httpx.Client(base_url=url, timeout=timeout_s, headers=headers, auth=auth) as client:
         response = client.get("/v1/coverage")
     check_response(response)

@@ -41,14 +41,15 @@ def test_the_tracker_made_a_private_key_and_strangers_cannot_join(mesh: Mesh) ->
     url = f"{mesh.url}/v1/nodes/register"
     body = registration(mesh.addresses["a"])
     unsigned = httpx.post(url, json=body, timeout=10)
-    wrong = httpx.post(url, json=body, timeout=10, auth=Signer("not-the-swarm-key").auth())
+    wrong = httpx.post(url, json=body, timeout=10, auth=Signer("not-the-swarm-key").auth("tracker"))
     assert unsigned.status_code == wrong.status_code == 401
     assert wrong.json()["error"]["field"] == "X-Meshnet-Auth"
     # a member claiming an address where it cannot be reached is not counted either
-    nowhere = httpx.post(url, json=registration("http://127.0.0.1:9"), auth=Signer(key).auth())
+    auth = Signer(key).auth("tracker")
+    nowhere = httpx.post(url, json=registration("http://127.0.0.1:9"), auth=auth)
     assert nowhere.status_code == 400 and nowhere.json()["error"]["field"] == "address"
     # ...nor one claiming another node's address (the probe answers with that node's id)
-    impostor = httpx.post(url, json=body, timeout=10, auth=Signer(key).auth())
+    impostor = httpx.post(url, json=body, timeout=10, auth=Signer(key).auth("tracker"))
     assert impostor.status_code == 400 and "did not answer the tracker's probe" in impostor.text
     assert members(mesh) == before and "intruder" not in str(mesh.coverage())
 
@@ -62,7 +63,7 @@ def test_nodes_refuse_unsigned_frames_and_replays(mesh: Mesh) -> None:
 
     signer = Signer(mesh.env["MESHNET_SWARM_KEY"])
     body = json.dumps({"node_id": "nobody", "reason": "test"}).encode()
-    headers = signer.headers("POST", "/v1/nodes/report", body)
+    headers = signer.headers("POST", "/v1/nodes/report", body, to="tracker")
     headers["Content-Type"] = "application/json"
     first = httpx.post(f"{mesh.url}/v1/nodes/report", content=body, headers=headers)
     again = httpx.post(f"{mesh.url}/v1/nodes/report", content=body, headers=headers)

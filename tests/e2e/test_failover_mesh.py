@@ -105,8 +105,10 @@ def test_a_hop_that_lost_the_session_answers_409_and_a_copy_takes_over(mesh: Mes
         session = mesh.last_entry_session()
         victim = busy_spare(mesh)[0]
         path = f"/sessions/{session}"
-        headers = Signer(mesh.env["MESHNET_SWARM_KEY"]).headers("DELETE", path)
-        dropped.append(httpx.delete(mesh.addresses[victim] + path, headers=headers).status_code)
+        address = mesh.addresses[victim]
+        to = httpx.get(f"{address}/health").json()["node_id"]
+        headers = Signer(mesh.env["MESHNET_SWARM_KEY"]).headers("DELETE", path, to=to)
+        dropped.append(httpx.delete(address + path, headers=headers).status_code)
 
     answer = stream(mesh.entry, chat(PROMPTS[1]), drop_session, headers=bearer)
     assert dropped == [200]
@@ -149,7 +151,9 @@ def new_session_frame(mesh: Mesh, name: str) -> tuple[dict[str, str], bytes]:
     )
     frame = encode(torch.zeros(1, 1, 576), meta)
     body = bytes(frame.body)
-    signed = Signer(mesh.env["MESHNET_SWARM_KEY"]).headers("POST", "/forward", body)
+    to = httpx.get(f"{mesh.addresses[name]}/health").json()["node_id"]
+    signer = Signer(mesh.env["MESHNET_SWARM_KEY"])
+    signed = signer.headers("POST", "/forward", body, to=to, headers=frame.headers)
     return frame.headers | signed, body
 
 

@@ -93,7 +93,7 @@ def test_directives_alone_cover_the_model_and_survive_failures(cluster: dict[str
     coverage = get_json(f"{url}/v1/coverage")
     assert sorted(s for v in spans(coverage).values() for s in v) == [(0, 10), (10, 20), (20, 30)]
     assert httpx.get(f"{url}/v1/route?model=default").status_code == 401  # members only
-    route = httpx.get(f"{url}/v1/route?model=default", auth=Signer(KEY).auth()).json()
+    route = httpx.get(f"{url}/v1/route?model=default", auth=Signer(KEY).auth("tracker")).json()
     assert [(h["span"]["start"], h["span"]["end"]) for h in route["hops"]] == [
         (0, 10),
         (10, 20),

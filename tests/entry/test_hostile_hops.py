@@ -16,13 +16,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshnet.config import WireLimits
+from meshnet.config import AccessConfig, WireLimits
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.transport import HttpTransport, checked_output
 from meshnet.errors import HopError
 from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
+from meshnet.security.signing import Signer
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta, encode
 from tests.conftest import run
@@ -72,28 +73,37 @@ def test_an_answer_of_another_shape_is_that_hops_failure(twist: Twist) -> None:
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
 
 
-def ask(app: Starlette, limits: WireLimits) -> HopError:
-    """One frame to the fake hop over the real transport; the `HopError` it ended in."""
+def ask(
+    app: Starlette, limits: WireLimits, signer: Signer | None = None, node_id: str = "liar"
+) -> HopError | torch.Tensor:
+    """One frame to the fake hop over the real transport; the `HopError` it ended in (or
+    the answer, when it did not)."""
 
-    async def scenario() -> HopError:
+    async def scenario() -> HopError | torch.Tensor:
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
-        transport = HttpTransport(limits=limits)
-        hop = Hop(NodeId("liar"), f"http://127.0.0.1:{port}", LayerSpan(2, 4))
+        transport = HttpTransport(limits=limits, signer=signer)
+        hop = Hop(NodeId(node_id), f"http://127.0.0.1:{port}", LayerSpan(2, 4))
         meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
         try:
-            with pytest.raises(HopError) as failed:
-                await transport.forward(hop, meta, torch.ones(1, 3, 8))
-            return failed.value
+            return await transport.forward(hop, meta, torch.ones(1, 3, 8))
+        except HopError as failed:
+            return failed
         finally:
             await transport.aclose()
             server.should_exit = True
             await task
 
     return run(scenario())
+
+
+def refused(app: Starlette, limits: WireLimits, **kwargs: object) -> HopError:
+    error = ask(app, limits, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(error, HopError)
+    return error
 
 
 def answer_frame(hidden: torch.Tensor, meta: FrameMeta) -> tuple[dict[str, str], bytes]:
@@ -111,7 +121,7 @@ def test_an_answer_over_the_body_cap_is_refused_as_the_hops_failure() -> None:
         return Response(body, headers=headers, media_type="application/octet-stream")
 
     app.add_route("/forward", forward, methods=["POST"])
-    error = ask(app, WireLimits(max_body_bytes=4096, max_tensor_bytes=4096))
+    error = refused(app, WireLimits(max_body_bytes=4096, max_tensor_bytes=4096))
     assert error.hop is not None and error.hop.node_id == "liar" and "cap 4096" in error.message
 
 
@@ -126,7 +136,7 @@ def test_a_gzip_bomb_is_never_inflated() -> None:
         return Response(bomb, headers=headers, media_type="application/octet-stream")
 
     app.add_route("/forward", forward, methods=["POST"])
-    error = ask(app, WireLimits())
+    error = refused(app, WireLimits())
     assert len(bomb) < 200_000
     assert error.hop is not None and "bad frame" in error.message  # not inflated, malformed
 
@@ -152,6 +162,32 @@ def test_an_answer_for_another_session_position_or_span_is_refused(
 def test_a_real_http_hop_answering_nan_is_that_hops_failure() -> None:
     """Over the real transport: the entry refuses the frame and blames the hop that sent it."""
     runner = Poisoned(EchoRunner(ModelId("m"), LayerSpan(2, 4)), 0, float("nan"))
-    error = ask(create_node_app(runner), WireLimits())  # type: ignore[arg-type]
+    error = refused(create_node_app(runner), WireLimits())  # type: ignore[arg-type]
     assert error.hop is not None and error.hop.node_id == "liar"
     assert "NaN or Inf" in error.message
+
+
+KEY = "hostile-hop-swarm-key"
+
+
+def test_a_hop_that_signs_its_answers_is_believed() -> None:
+    signed = create_node_app(EchoRunner(ModelId("m"), LayerSpan(2, 4)), access=AccessConfig(KEY))
+    out = ask(signed, WireLimits(), Signer(KEY), node_id="unregistered")
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 3, 8)
+    misaddressed = refused(signed, WireLimits(), signer=Signer(KEY), node_id="node-b")
+    assert misaddressed.status == 401  # the proof named another node: a stale route, failover
+
+
+def test_an_unsigned_answer_is_that_hops_failure() -> None:
+    """A man in the middle (or a hop without the key) answering a well-formed frame."""
+    app = Starlette()
+
+    async def forward(request: Request) -> Response:
+        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+        headers, body = answer_frame(torch.ones(1, 3, 8), meta)
+        await request.body()
+        return Response(body, headers=headers, media_type="application/octet-stream")
+
+    app.add_route("/forward", forward, methods=["POST"])
+    error = refused(app, WireLimits(), signer=Signer(KEY))
+    assert error.hop is not None and "X-Meshnet-Answer" in error.message

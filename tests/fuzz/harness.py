@@ -22,8 +22,9 @@ class SigningProxy:
     """ASGI middleware for tests: signs each request with `KEY`, like a member would, and
     sends `API_KEY` as a client would (unless the request carries its own)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, to: str = "tracker") -> None:
         self.app = app
+        self.to = to  # the receiver's name: a node's id, or `tracker`
         self.key = SwarmKey.from_text(KEY)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -39,7 +40,8 @@ class SigningProxy:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        proof = sign(self.key, scope["method"], target, body, time.time())
+        sent = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        proof = sign(self.key, scope["method"], target, body, time.time(), self.to, sent)
         headers = [*scope["headers"], (HEADER.lower().encode(), proof.encode())]
         if all(name != b"authorization" for name, _ in headers):
             headers.append((b"authorization", f"Bearer {API_KEY}".encode()))

@@ -76,7 +76,7 @@ def test_forward_fuzz_never_crashes_corrupts_or_leaks(
 ) -> None:
     expected = reference(shard_runner)
     runner = shard_runner()
-    app = SigningProxy(create_app(runner, LIMITS, access=AccessConfig(KEY)))
+    app = SigningProxy(create_app(runner, LIMITS, access=AccessConfig(KEY)), "unregistered")
 
     async def post(headers: dict[str, str], body: bytes) -> httpx.Response:
         raw = {k: v.encode() for k, v in headers.items()}  # any bytes may arrive in a header

@@ -92,7 +92,7 @@ def test_node_identity_and_session_paths_take_any_text() -> None:
     runner = EchoRunner(ModelId("m"), LayerSpan(0, 2))
     service = NodeService([runner], WireLimits(), WireConfig())
     service.node_id = "node-a"
-    app = SigningProxy(create_node_app(service=service, access=AccessConfig(KEY)))
+    app = SigningProxy(create_node_app(service=service, access=AccessConfig(KEY)), "node-a")
 
     @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
     @given(text=st.text(max_size=300))

@@ -76,7 +76,8 @@ def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
     unsigned = httpx.post(f"{node_url}/forward", headers=frame.headers, content=bytes(frame.body))
     assert unsigned.status_code == 401 and unsigned.json()["error"]["field"] == "X-Meshnet-Auth"
     assert httpx.get(f"{node_url}/health").json()["sessions"] == 0  # refused: nothing changed
-    with httpx.Client(base_url=node_url, auth=Signer(KEY).auth()) as client:
+    auth = Signer(KEY).auth(health["node_id"])
+    with httpx.Client(base_url=node_url, auth=auth) as client:
         response = client.post("/forward", headers=frame.headers, content=bytes(frame.body))
         assert response.status_code == 200
         out_meta, out = decode(response.headers, response.content)
@@ -92,4 +93,4 @@ def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
             == 200
         )
         assert client.delete("/sessions/e2e").status_code == 200
-        assert client.get("/health").json()["sessions"] == 0
+        assert httpx.get(f"{node_url}/health").json()["sessions"] == 0  # open: unsigned

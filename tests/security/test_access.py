@@ -8,15 +8,22 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
-from meshnet.config import AccessConfig, WireConfig, WireLimits
+from meshnet.config import AccessConfig, TrackerConfig, WireConfig, WireLimits
 from meshnet.errors import MeshError
 from meshnet.http_errors import install_error_handlers
 from meshnet.node.app import NodeService
 from meshnet.node.app import create_app as create_node_app
+from meshnet.node.startup import tracker_client
 from meshnet.security.access import Credentials, Guard, client_of, match, rule
-from meshnet.security.signing import Signer
+from meshnet.security.signing import AnswerNotSigned, CheckedSwarmAuth, Signer
+from meshnet.tracker.app import create_app as create_tracker_app
+from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted, TrustingProber
+from meshnet.tracker.registry import Registry
+from meshnet.types import ModelId
 from tests.conftest import run
 
 SWARM = "guard-test-swarm-key"
@@ -34,8 +41,11 @@ async def echo(request: Request) -> Response:
     return JSONResponse({"client": client_of(request.scope), "bytes": len(body)})
 
 
-def app(access: AccessConfig) -> Starlette:
-    guard = Middleware(Guard, rules=RULES, credentials=Credentials(access))
+ME = "node-me"
+
+
+def app(access: AccessConfig, name: str = ME) -> Starlette:
+    guard = Middleware(Guard, rules=RULES, credentials=Credentials(access, frozenset({name})))
     application = Starlette(middleware=[guard])
     install_error_handlers(application)
     for path in ("/health", "/member", "/api", "/either", "/unlisted"):
@@ -54,7 +64,7 @@ def call(
 ) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app(access), client=(host, 1234))
-        auth = signer.auth() if signer else None
+        auth = signer.auth(ME) if signer else None
         local = "http://localhost"
         async with httpx.AsyncClient(transport=transport, base_url=local, auth=auth) as c:
             return await c.request(method, path, **kwargs)  # type: ignore[arg-type]
@@ -99,7 +109,7 @@ def test_signed_member_calls_get_in_and_a_replay_does_not() -> None:
 def test_a_signed_call_sent_twice_to_the_same_app_gets_in_once() -> None:
     """The same signed headers (method, path, time, nonce, body) replayed to the same app:
     the nonce store refuses the second one, and the app never sees it."""
-    headers = Signer(SWARM).headers("POST", "/member", b"payload")
+    headers = Signer(SWARM).headers("POST", "/member", b"payload", to=ME)
     application = app(KEYED)
 
     async def send_twice() -> list[httpx.Response]:
@@ -188,3 +198,129 @@ def test_keyless_loopback_trust_needs_a_local_host_name(host: str, status: int) 
     assert response.status_code == status
     if status == 401:
         assert response.json()["error"]["field"] == "Host"
+
+
+def send(application: Starlette, method: str, path: str, **kwargs: object) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 1234))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            return await c.request(method, path, **kwargs)  # type: ignore[arg-type]
+
+    return run(go())
+
+
+def test_a_proof_accepted_by_one_member_is_refused_by_another() -> None:
+    """Review finding 4: the same signed call, sent on to a second member, got in there too."""
+    headers = Signer(SWARM).headers("POST", "/member", b"payload", to=ME)
+    assert send(app(KEYED), "POST", "/member", headers=headers, content=b"payload").is_success
+    other = send(app(KEYED, "node-b"), "POST", "/member", headers=headers, content=b"payload")
+    assert other.status_code == 401 and "addressed to 'node-me'" in other.json()["error"]["message"]
+
+
+def test_a_frame_header_changed_after_signing_is_refused() -> None:
+    frame = {"X-Meshnet-Session": "s1", "X-Meshnet-Position": "0"}
+    proof = Signer(SWARM).headers("POST", "/member", b"p", to=ME, headers=frame)
+    assert send(app(KEYED), "POST", "/member", headers=frame | proof, content=b"p").is_success
+    proof = Signer(SWARM).headers("POST", "/member", b"p", to=ME, headers=frame)
+    moved = frame | proof | {"X-Meshnet-Position": "9"}
+    calls.clear()
+    refused = send(app(KEYED), "POST", "/member", headers=moved, content=b"p")
+    assert refused.status_code == 401 and not calls
+
+
+def test_answers_to_members_are_signed_and_checked() -> None:
+    signer = Signer(SWARM)
+    answer = call(KEYED, "POST", "/member", signer=signer, content=b"payload")
+    assert answer.headers["X-Meshnet-Answer"].startswith("v2 s=")  # checked by the client
+    client = call(KEYED, "POST", "/api", headers={"Authorization": "Bearer client-key-1"})
+    assert "X-Meshnet-Answer" not in client.headers  # clients hold no key to check it with
+
+
+class Tamper:
+    """A man in the middle that changes answers: their bodies, or strips their MAC."""
+
+    def __init__(self, inner: Starlette, strip: bool) -> None:
+        self.inner, self.strip = inner, strip
+
+    async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
+        async def changed(message):  # type: ignore[no-untyped-def]
+            if message["type"] == "http.response.start" and self.strip:
+                message = {**message, "headers": message["headers"][:-1]}
+            if message["type"] == "http.response.body" and not self.strip:
+                message = {**message, "body": message["body"].replace(b"7", b"8")}
+            await send(message)
+
+        await self.inner(scope, receive, changed)
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_a_changed_or_unsigned_answer_is_refused(strip: bool) -> None:
+    """The agent's tracker client checks answers this way: an unsigned directive is dropped
+    like a broken connection."""
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=Tamper(app(KEYED), strip), client=("127.0.0.1", 1))
+        auth = Signer(SWARM).auth(ME)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", auth=auth) as c:
+            return await c.post("/member", content=b"payload")
+
+    with pytest.raises(AnswerNotSigned):
+        run(go())
+
+
+@pytest.mark.parametrize("path", ["//member", "/health/../member", "/health//x", "//"])
+def test_paths_that_only_look_open_need_a_proof(path: str) -> None:
+    """Review finding 11: `rule("/")` opened every path starting with `//`."""
+    assert match([rule("/"), *RULES], path).needs == {"swarm"}
+    response = send(app(KEYED), "POST", path, content=b"x")
+    assert response.status_code == 401
+
+
+def test_websockets_are_closed_without_reaching_the_app() -> None:
+    """Review finding 11: websocket scopes passed the guard unchecked."""
+    application = app(KEYED)
+    reached: list[str] = []
+
+    async def socket(ws):  # type: ignore[no-untyped-def]
+        reached.append("in")
+        await ws.accept()
+
+    application.router.add_websocket_route("/health", socket)
+    with (
+        TestClient(application) as client,
+        pytest.raises(WebSocketDisconnect),
+        client.websocket_connect("/health"),
+    ):
+        pass
+    assert not reached
+
+
+def test_a_nodes_tracker_client_refuses_unsigned_directives() -> None:
+    client = tracker_client("http://tracker:1", AccessConfig(swarm_key=SWARM))
+    assert isinstance(client.auth, CheckedSwarmAuth) and client.auth.to == "tracker"
+    run(client.aclose())
+
+
+def test_real_tracker_and_node_apps_answer_members_with_signed_answers() -> None:
+    """Nothing outside the guard may change an answer it signed (the wire-version header
+    once did, and every node's registration failed)."""
+    offers = [ModelOffer(ModelId("m"), 4, {"fp32": 1000})]
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=60.0, clock=lambda: 0.0)
+    tracker = create_tracker_app(
+        registry, TrackerConfig(), prober=TrustingProber(), access=AccessConfig(swarm_key=SWARM)
+    )
+
+    async def go() -> list[httpx.Response]:
+        answers = []
+        for application, to, path in (
+            (tracker, "tracker", "/v1/coverage"),
+            (probe_target(SWARM).app, "node-a", "/v1/identity?challenge=" + "c" * 32),
+        ):
+            transport = httpx.ASGITransport(app=application, client=("10.0.0.2", 1))
+            auth = Signer(SWARM).auth(to)
+            async with httpx.AsyncClient(transport=transport, base_url="http://x", auth=auth) as c:
+                answers.append(await c.get(path))
+        return answers
+
+    answers = run(go())
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]

@@ -64,13 +64,13 @@ async def answer(guard: Guard, s: Scope, receive: Receive) -> tuple[int, dict[st
 
 
 def guard(limits: BodyLimits | None = None, app: Callable[..., Awaitable[None]] = inner) -> Guard:
-    return Guard(app, RULES, Credentials(ACCESS), limits or BodyLimits())
+    return Guard(app, RULES, Credentials(ACCESS, frozenset({"node-a"})), limits or BodyLimits())
 
 
 def signed(body: bytes) -> dict[str, str]:
     """The proof a member sends with `body` to `/forward`."""
     key = SwarmKey.from_text(SWARM)
-    return {"x-meshnet-auth": sign(key, "POST", b"/forward", body, time.time())}
+    return {"x-meshnet-auth": sign(key, "POST", b"/forward", body, time.time(), "node-a")}
 
 
 def test_an_unsigned_48_mib_post_is_refused_before_a_byte_of_it_is_read() -> None:

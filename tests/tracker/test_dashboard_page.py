@@ -54,7 +54,7 @@ def member(url: str, path: str, body: dict[str, Any]) -> None:
     """A signed call as node `body["node_id"]` makes it (with its membership token)."""
     if path.endswith("/heartbeat"):
         body = body | {"token": TOKENS[body["node_id"]]}
-    with httpx.Client(base_url=url, auth=Signer(SWARM).auth()) as client:
+    with httpx.Client(base_url=url, auth=Signer(SWARM).auth("tracker")) as client:
         response = client.post(path, json=body)
         assert response.status_code == 200
         if path.endswith("/register"):

@@ -31,6 +31,7 @@ from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
 from meshnet.security.signing import Signer
+from meshnet.security.swarm import TRACKER
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer
@@ -69,7 +70,9 @@ def build_tracker_node_app(
     service = node_service(node, request.node_id, access, registry.metrics)
     rules = [*node_rules(service.limits), *api_rules(limits)]
     prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)
-    app = create_tracker_app(registry, tracker, prober=prober, access=access, extra_rules=rules)
+    app = create_tracker_app(
+        registry, tracker, prober=prober, access=access, extra_rules=rules, node_id=request.node_id
+    )
     add_node_routes(app, service)  # other entry nodes may route through our span
     transport = HttpTransport(
         service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
@@ -95,7 +98,7 @@ def build_tracker_node_app(
         lambda: httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 0)),
             base_url="http://self",
-            auth=signer.auth(),
+            auth=signer.auth(TRACKER),
         ),
         request,
         transport.aclose,

@@ -17,7 +17,7 @@ import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import HopError, MeshError, WireError
+from meshnet.errors import AuthError, HopError, MeshError, WireError
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
@@ -69,7 +69,8 @@ class HttpTransport:
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         frame = encode(hidden, meta, self.wire)
         data = bytes(frame.body)
-        headers = frame.headers | self.signer.headers("POST", "/forward", data)
+        proof = self.signer.headers("POST", "/forward", data, to=hop.node_id, headers=frame.headers)
+        headers = frame.headers | proof
         self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
         try:
             async with self._session().post(
@@ -78,6 +79,7 @@ class HttpTransport:
                 body = await bounded_read(hop, response, self.limits.max_body_bytes)
                 if response.status != 200:
                     raise hop_error(hop, response.status, body)
+                self._check_signed(hop, headers, response, body)
                 output = checked_output(hop, response.headers, body, self.limits, meta, hidden)
                 received = response.headers.get(ENCODING, "none")
                 self.metrics.bytes_received.labels(received).inc(len(body))
@@ -85,13 +87,21 @@ class HttpTransport:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
 
+    def _check_signed(
+        self, hop: Hop, sent: dict[str, str], response: aiohttp.ClientResponse, body: bytes
+    ) -> None:
+        try:
+            self.signer.check_answer(sent, response.status, response.headers.items(), body)
+        except AuthError as exc:
+            raise HopError(f"hop {hop}: {exc.message}", status=None, hop=hop) from exc
+
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         path = f"/sessions/{session}"
         try:
             async with self._session().delete(
                 f"{hop.address}{path}",
                 timeout=aiohttp.ClientTimeout(total=5.0),
-                headers=self.signer.headers("DELETE", path),
+                headers=self.signer.headers("DELETE", path, to=hop.node_id),
             ) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -205,6 +205,7 @@ class NodeService:
         body: dict[str, object] = {
             "status": "ok",
             "version": __version__,
+            "node_id": self.node_id,  # what members address their proofs to
             "shards": shards,
             "sessions": self.session_count(),
         }
@@ -243,10 +244,12 @@ def create_app(
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
     rules = [*access_rules(limits), *api_rules]
-    guard = Middleware(Guard, rules=rules, credentials=Credentials(access))
+    credentials = Credentials(access, frozenset({service.node_id}))
+    guard = Middleware(Guard, rules=rules, credentials=credentials)
     if access.swarm_key:
         service.swarm_key = SwarmKey.from_text(access.swarm_key)
-    app = Starlette(middleware=[Middleware(WireVersionHeader), guard], lifespan=lifespan)
+    # the guard outermost: nothing runs before it, and nothing changes an answer it signed
+    app = Starlette(middleware=[guard, Middleware(WireVersionHeader)], lifespan=lifespan)
     install_error_handlers(app)
     add_node_routes(app, service)
     add_metrics_route(app, service.metrics)

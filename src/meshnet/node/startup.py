@@ -17,6 +17,7 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import node_id
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.security.signing import Signer
+from meshnet.security.swarm import TRACKER
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, ModelId
 
@@ -79,4 +80,5 @@ def registration(config: NodeConfig) -> msg.RegisterRequest:
 
 def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> httpx.AsyncClient:
     """An httpx client for the tracker that signs every call with the swarm key."""
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=Signer(access.swarm_key).auth())
+    auth = Signer(access.swarm_key).auth(TRACKER)  # and refuses an answer it did not sign
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=auth)

@@ -1,11 +1,12 @@
 """The access guard: one ASGI middleware in front of every meshnet app.
 
 For each request it finds the path's rule and checks what the headers alone can show before
-a byte of the body is read: an API key, loopback, or a swarm proof's form and timestamp
-(401). It then reads the body under its limit (413), a deadline (408) and the process's
-in-flight budget (503), hashing it as it streams, checks the proof's MAC over that digest
-(401), and only then passes the request on, with the caller's identity in
-`scope["meshnet.client"]`. Refusals are JSON errors in the usual shape and change nothing.
+a byte of the body is read: an API key, loopback, or a swarm proof's form, receiver and
+timestamp (401). It then reads the body under its limit (413), a deadline (408) and the
+process's in-flight budget (503), hashing it as it streams, checks the proof's MAC over that
+digest and the `X-Meshnet-*` headers (401), and only then passes the request on, with the
+caller's identity in `scope["meshnet.client"]`. The answer to a member's call is signed
+(`X-Meshnet-Answer`). Refusals are JSON errors in the usual shape and change nothing.
 
 Credentials: `swarm` (a swarm-key proof, ADR-0017) or `client` (an API key as a bearer token,
 or, when no key is configured, a loopback caller). Paths no rule names need `swarm`.
@@ -26,7 +27,7 @@ from meshnet.config import AccessConfig
 from meshnet.errors import AuthError, MeshError
 from meshnet.http_errors import error_response
 from meshnet.security.body import BodyLimits, InFlight, read_body
-from meshnet.security.swarm import HEADER, Proof, SwarmKey, Verifier
+from meshnet.security.swarm import ANSWER_HEADER, HEADER, Proof, SwarmKey, Verifier, answer_mac
 
 CLIENT_KEY = "meshnet.client"  # scope key: "swarm", "key:<fingerprint>" or "ip:<address>"
 KiB = 1 << 10
@@ -56,9 +57,16 @@ DEFAULT_RULE = rule("", "swarm")
 
 
 def match(rules: Sequence[Rule], path: str) -> Rule:
-    """The longest rule prefix that `path` equals or lies under."""
-    found = [r for r in rules if path == r.prefix or path.startswith(r.prefix + "/")]
+    """The longest rule prefix that `path` equals or lies under (`/` only itself: `//x` and
+    paths with `..` segments fall to the default rule, review finding 11)."""
+    if "/../" in path + "/" or "//" in path:
+        return DEFAULT_RULE
+    found = [r for r in rules if path == r.prefix or _under(path, r.prefix)]
     return max(found, key=lambda r: len(r.prefix), default=DEFAULT_RULE)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix not in ("", "/") and path.startswith(prefix + "/")
 
 
 def is_loopback(host: str | None) -> bool:
@@ -101,6 +109,9 @@ class Settled:
     def confirm(self, sha256: str) -> str:
         return self.identity
 
+    def answers(self, send: Send) -> Send:
+        return send
+
 
 @dataclass(frozen=True)
 class SwarmProof:
@@ -109,11 +120,50 @@ class SwarmProof:
     verifier: Verifier
     method: str
     target: bytes
+    headers: list[tuple[str, str]]
     proof: Proof
 
     def confirm(self, sha256: str) -> str:
-        self.verifier.verify_digest(self.method, self.target, sha256, self.proof)
+        self.verifier.verify_digest(self.method, self.target, sha256, self.proof, self.headers)
         return "swarm"
+
+    def answers(self, send: Send) -> Send:
+        """`send`, signing the answer for the member that asked (streams go unsigned)."""
+        return signed_answers(self.verifier.key, self.proof.nonce, send)
+
+
+def signed_answers(key: SwarmKey, nonce: str, send: Send) -> Send:
+    """A `send` that holds an answer's start and body until the body is complete, then sends
+    both with `X-Meshnet-Answer` (an SSE stream passes through unsigned, as it comes)."""
+    start: Message | None = None
+    parts: list[bytes] = []
+
+    async def signing(message: Message) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start":
+            if b"text/event-stream" in dict(message.get("headers", [])).get(b"content-type", b""):
+                await send(message)
+                return
+            start = message
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            await _send_signed(key, nonce, start, b"".join(parts), send)
+
+    return signing
+
+
+async def _send_signed(key: SwarmKey, nonce: str, start: Message, body: bytes, send: Send) -> None:
+    raw = list(start.get("headers", []))
+    items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+    sha256 = hashlib.sha256(body).hexdigest()
+    mac = answer_mac(key, nonce, start["status"], items, sha256)
+    headers = [*raw, (ANSWER_HEADER.lower().encode(), f"v2 s={mac}".encode())]
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 Admission = Settled | SwarmProof
@@ -122,10 +172,17 @@ Admission = Settled | SwarmProof
 class Credentials:
     """Checks one request's credentials against the process's `AccessConfig`."""
 
-    def __init__(self, access: AccessConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        access: AccessConfig,
+        names: frozenset[str] = frozenset(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`names`: who this process is to members (its node id, `tracker`): a proof must be
+        addressed to one of them."""
         self.access = access
         key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None
-        self.verifier = Verifier(key, clock, access.max_clock_skew_s) if key else None
+        self.verifier = Verifier(key, clock, names, access.max_clock_skew_s) if key else None
         self.api_keys = {hashlib.sha256(k.encode()).digest(): key_tag(k) for k in access.api_keys}
 
     def admit(self, needs: frozenset[str], scope: Scope, headers: dict[str, str]) -> Admission:
@@ -145,7 +202,8 @@ class Credentials:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        return SwarmProof(self.verifier, scope["method"], target, proof)
+        raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        return SwarmProof(self.verifier, scope["method"], target, raw, proof)
 
     def _client(self, scope: Scope, headers: dict[str, str]) -> str:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -194,6 +252,9 @@ class Guard:
         self.in_flight = InFlight(limits.max_in_flight_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # no meshnet route is one (review finding 11)
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -218,7 +279,8 @@ class Guard:
             await error_response(exc)(scope, receive, send)
             return
         try:
-            await self.app({**scope, CLIENT_KEY: client}, replay_body(body.data, receive), send)
+            scope = {**scope, CLIENT_KEY: client}
+            await self.app(scope, replay_body(body.data, receive), admission.answers(send))
         finally:
             self.in_flight.give(len(body.data))
 

@@ -1,10 +1,16 @@
-"""Swarm-key proofs: an HMAC over each member-to-member request (ADR-0017).
+"""Swarm-key proofs: an HMAC over each member-to-member request and its answer (ADR-0017,
+ADR-0031).
 
-A request carries `X-Meshnet-Auth: v1 t=<unix s> n=<nonce> s=<hex HMAC-SHA256>` where the
-HMAC covers a fixed label, the method, the path with its query, the timestamp, the nonce and
-the SHA-256 of the body. The receiver refuses (401) a bad or missing proof, a timestamp
-outside its clock-skew window, and any nonce it already accepted inside that window, so a
-captured request cannot be replayed. The key never travels.
+A request carries `X-Meshnet-Auth: v2 t=<unix s> n=<nonce> to=<receiver> s=<hex HMAC>`
+where the HMAC-SHA256 covers a fixed label, the method, the path with its query, the
+receiver's name (its node id, or `tracker`), the timestamp, the nonce, every other
+`X-Meshnet-*` header (canonically ordered) and the SHA-256 of the body. The receiver
+refuses (401) a bad or missing proof, one addressed to someone else, a timestamp outside
+its clock-skew window, and any nonce it already accepted inside that window, so a captured
+request can be replayed neither to its receiver nor to any other member, nor with its frame
+headers changed. The answer carries `X-Meshnet-Answer: v2 s=<hex HMAC>` over the request's
+nonce, the status, the answer's `X-Meshnet-*` headers and its body's SHA-256. The key never
+travels.
 """
 
 from __future__ import annotations
@@ -13,15 +19,20 @@ import hashlib
 import hmac
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from meshnet.errors import AuthError, LimitError
 
 HEADER = "X-Meshnet-Auth"
-SCHEME = "v1"
-_LABEL = b"meshnet-swarm-v1"
+ANSWER_HEADER = "X-Meshnet-Answer"
+SCHEME = "v2"
+_LABEL = b"meshnet-swarm-v2"
+_ANSWER_LABEL = b"meshnet-answer-v2"
 MIN_KEY_CHARS = 16
+TRACKER = "tracker"  # the name a tracker is addressed by (node ids are never this)
+_PREFIX = "x-meshnet-"
+_UNSIGNED = frozenset({HEADER.lower(), ANSWER_HEADER.lower()})
 
 
 @dataclass(frozen=True)
@@ -42,33 +53,53 @@ class SwarmKey:
         return hmac.new(self.secret, b"\n".join(parts), hashlib.sha256).hexdigest()
 
 
-def _message(method: str, target: bytes, stamp: str, nonce: str, body: bytes) -> list[bytes]:
-    return _signed(method, target, stamp, nonce, hashlib.sha256(body).hexdigest())
-
-
-def _signed(method: str, target: bytes, stamp: str, nonce: str, sha256: str) -> list[bytes]:
-    return [
-        _LABEL,
-        method.upper().encode(),
-        target,
-        stamp.encode(),
-        nonce.encode(),
-        sha256.encode(),
-    ]
-
-
-def sign(key: SwarmKey, method: str, target: bytes, body: bytes, now_s: float) -> str:
-    """The `X-Meshnet-Auth` value for a request; `target` is the path with its query."""
-    stamp, nonce = f"{now_s:.3f}", secrets.token_hex(16)
-    mac = key.mac(*_message(method, target, stamp, nonce, body))
-    return f"{SCHEME} t={stamp} n={nonce} s={mac}"
+def header_digest(headers: Iterable[tuple[str, str]]) -> bytes:
+    """SHA-256 (hex) of the `X-Meshnet-*` headers but the proofs, as sorted `name:value` lines
+    with lower-case names: what a proof binds besides the body."""
+    lines = sorted(
+        f"{name.lower()}:{value.strip()}"
+        for name, value in headers
+        if name.lower().startswith(_PREFIX) and name.lower() not in _UNSIGNED
+    )
+    return hashlib.sha256("\n".join(lines).encode("latin-1")).hexdigest().encode()
 
 
 @dataclass(frozen=True)
 class Proof:
     stamp: str
     nonce: str
+    to: str
     mac: str
+
+
+def _parts(method: str, target: bytes, proof: Proof, headers: bytes, sha256: str) -> list[bytes]:
+    return [
+        _LABEL,
+        method.upper().encode(),
+        target,
+        proof.to.encode(),
+        proof.stamp.encode(),
+        proof.nonce.encode(),
+        headers,
+        sha256.encode(),
+    ]
+
+
+def sign(
+    key: SwarmKey,
+    method: str,
+    target: bytes,
+    body: bytes,
+    now_s: float,
+    to: str,
+    headers: Iterable[tuple[str, str]] = (),
+) -> str:
+    """The `X-Meshnet-Auth` value for a request to the member named `to`; `target` is the
+    path with its query, `headers` the request's others (its `X-Meshnet-*` ones are bound)."""
+    unsigned = Proof(f"{now_s:.3f}", secrets.token_hex(16), to, "")
+    sha256 = hashlib.sha256(body).hexdigest()
+    mac = key.mac(*_parts(method, target, unsigned, header_digest(headers), sha256))
+    return f"{SCHEME} t={unsigned.stamp} n={unsigned.nonce} to={to} s={mac}"
 
 
 def parse(value: str | None) -> Proof:
@@ -77,11 +108,21 @@ def parse(value: str | None) -> Proof:
         raise AuthError(f"this call needs a swarm-key proof in {HEADER}", field=HEADER)
     scheme, _, rest = value.partition(" ")
     fields = dict(p.partition("=")[::2] for p in rest.split(" ") if p)
-    if scheme != SCHEME or set(fields) != {"t", "n", "s"}:
-        raise AuthError(f"{HEADER} must be '{SCHEME} t=<time> n=<nonce> s=<mac>'", field=HEADER)
+    if scheme != SCHEME or set(fields) != {"t", "n", "to", "s"}:
+        raise AuthError(
+            f"{HEADER} must be '{SCHEME} t=<time> n=<nonce> to=<receiver> s=<mac>'", field=HEADER
+        )
     if not (8 <= len(fields["n"]) <= 64 and fields["n"].isalnum() and len(fields["s"]) == 64):
         raise AuthError(f"{HEADER} has a malformed nonce or MAC", field=HEADER)
-    return Proof(fields["t"], fields["n"], fields["s"])
+    return Proof(fields["t"], fields["n"], fields["to"][:128], fields["s"])
+
+
+def answer_mac(
+    key: SwarmKey, nonce: str, status: int, headers: Iterable[tuple[str, str]], sha256: str
+) -> str:
+    """The `X-Meshnet-Answer` MAC of an answer to the request whose proof had `nonce`."""
+    parts = (str(status).encode(), header_digest(headers), sha256.encode())
+    return key.mac(_ANSWER_LABEL, nonce.encode(), *parts)
 
 
 def stamp_seconds(stamp: str) -> float:
@@ -101,24 +142,40 @@ class Verifier:
         self,
         key: SwarmKey,
         clock: Callable[[], float],
+        names: frozenset[str],
         max_skew_s: float = 30.0,
         max_nonces: int = 200_000,
     ) -> None:
         self.key = key
+        self.names = names  # who this process is: proofs addressed elsewhere are refused
         self.clock = clock  # wall-clock seconds (time.time): peers' clocks must roughly agree
         self.max_skew_s = max_skew_s
         self.max_nonces = max_nonces
         self._seen: dict[str, float] = {}  # nonce -> its timestamp
         self._spent = 0
 
-    def verify(self, method: str, target: bytes, body: bytes, value: str | None) -> None:
+    def verify(
+        self,
+        method: str,
+        target: bytes,
+        body: bytes,
+        value: str | None,
+        headers: Iterable[tuple[str, str]] = (),
+    ) -> None:
         """Accept the request or raise `AuthError` (401); an accepted nonce is spent."""
-        self.verify_digest(method, target, hashlib.sha256(body).hexdigest(), self.check(value))
+        proof = self.check(value)
+        self.verify_digest(method, target, hashlib.sha256(body).hexdigest(), proof, headers)
 
     def check(self, value: str | None) -> Proof:
-        """What the header alone shows: a well-formed proof inside the clock-skew window
-        (checked before the body is read), or `AuthError`."""
+        """What the header alone shows: a well-formed proof addressed to this process inside
+        the clock-skew window (checked before the body is read), or `AuthError`."""
         proof = parse(value)
+        if proof.to not in self.names:
+            raise AuthError(
+                f"this swarm-key proof is addressed to {proof.to!r}, not to this member "
+                f"({', '.join(sorted(self.names)) or 'no name'})",
+                field=HEADER,
+            )
         now, sent = self.clock(), stamp_seconds(proof.stamp)
         if abs(now - sent) > self.max_skew_s:
             raise AuthError(
@@ -128,9 +185,18 @@ class Verifier:
             )
         return proof
 
-    def verify_digest(self, method: str, target: bytes, sha256: str, proof: Proof) -> None:
-        """Accept `proof` for a body whose SHA-256 (hex) is `sha256`, or `AuthError`."""
-        expected = self.key.mac(*_signed(method, target, proof.stamp, proof.nonce, sha256))
+    def verify_digest(
+        self,
+        method: str,
+        target: bytes,
+        sha256: str,
+        proof: Proof,
+        headers: Iterable[tuple[str, str]] = (),
+    ) -> None:
+        """Accept `proof` for a request with these headers and a body whose SHA-256 (hex) is
+        `sha256`, or `AuthError`."""
+        parts = _parts(method, target, proof, header_digest(headers), sha256)
+        expected = self.key.mac(*parts)
         if not hmac.compare_digest(expected, proof.mac):
             raise AuthError("the swarm-key proof does not match: wrong key?", field=HEADER)
         self._spend(proof.nonce, stamp_seconds(proof.stamp), self.clock())

@@ -22,6 +22,7 @@ from meshnet.config import AccessConfig, TrackerConfig
 from meshnet.errors import MeshError, RequestError
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.security.access import Credentials, Guard, KiB, Rule, rule
+from meshnet.security.swarm import TRACKER
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.forward import EntryForwarder, listed_models
@@ -55,11 +56,14 @@ def create_app(
     access: AccessConfig = AccessConfig(),
     extra_rules: Sequence[Rule] = (),
     forwarder: EntryForwarder | None = None,
+    node_id: str | None = None,
 ) -> FastAPI:
     """The tracker's ASGI app over `registry`; `prober` checks registering nodes.
 
     `extra_rules`: access rules of routes added later (tracker-as-node adds node and API routes).
     `forwarder`: a tracker that runs no model answers clients by forwarding to entries.
+    `node_id`: the id of the node this process also is (tracker-as-node): members' proofs
+    may be addressed to it as well as to `tracker`.
     """
     rng = random.Random(config.route_seed)
 
@@ -76,8 +80,10 @@ def create_app(
     app.add_route("/metrics", registry.metrics.endpoint, methods=["GET"], include_in_schema=False)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     rules = [*access_rules(), *(client_rules() if forwarder else []), *extra_rules]
-    app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
+    names = frozenset({TRACKER, *([node_id] if node_id else [])})
     app.add_middleware(WireVersionHeader)
+    # outermost (added last): nothing runs before it, and nothing changes an answer it signed
+    app.add_middleware(Guard, rules=rules, credentials=Credentials(access, names))
 
     @app.post("/v1/nodes/register")
     async def register(request: msg.RegisterRequest, http: Request) -> msg.RegisterResponse:

@@ -63,6 +63,13 @@ class RegisterRequest(Message):
     entry: bool = True
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
 
+    @field_validator("node_id")
+    @classmethod
+    def _not_the_tracker(cls, node_id: str) -> str:
+        if node_id.lower() == "tracker":  # members address the tracker by this name
+            raise ValueError("'tracker' is the tracker's own name, not a node id")
+        return node_id
+
     @field_validator("address")
     @classmethod
     def _plain_address(cls, address: str) -> str:

@@ -57,7 +57,7 @@ class HttpProber:
         challenge = secrets.token_hex(16)
         try:
             async with asyncio.timeout(self.timeout_s):  # in all: a trickled answer ends too
-                status, body = await self._get(address, challenge)
+                status, body = await self._get(node_id, address, challenge)
             answer = json.loads(body) if status == 200 else {}
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, TimeoutError) as exc:
             raise ProbeError(PROBE_FAILED.format(node_id, address), field="address") from exc
@@ -65,13 +65,15 @@ class HttpProber:
             raise ProbeError(PROBE_FAILED.format(node_id, address), field="address")
         self._check_answer(node_id, address, challenge, answer)
 
-    async def _get(self, address: str, challenge: str) -> tuple[int, bytes]:
+    async def _get(self, node_id: str, address: str, challenge: str) -> tuple[int, bytes]:
         """The identity answer's status and at most `MAX_ANSWER_BYTES` of its body, read as
         sent (an encoded body is never inflated)."""
         headers = {"Accept-Encoding": "identity"}
         async with (
             httpx.AsyncClient(
-                timeout=self.timeout_s, auth=self.signer.auth(), transport=self.transport
+                timeout=self.timeout_s,
+                auth=self.signer.auth(node_id, answers=False),  # the answer carries a proof
+                transport=self.transport,
             ) as http,
             http.stream(
                 "GET", f"{address}/v1/identity", params={"challenge": challenge}, headers=headers
