@@ -108,3 +108,16 @@ def test_attack_benchmark_prints_what_each_probe_got() -> None:
     assert rows["48 MiB POST with an hour-old proof"] == ("HTTP/1.1 401 Unauthorized", "0")
     assert rows["8 MiB of headers"][0].startswith("HTTP/1.1 431")
     assert float(rows["100 unsigned 48 MiB POSTs at once"][1]) < 100  # MiB: nothing buffered
+
+
+@pytest.mark.slow
+def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
+    """Real shards of the default model: honest copies agree within the tolerance (nobody
+    honest is banned) and a copy answering 30% noise is banned."""
+    rows = [line.split("|") for line in run_tiny("spotcheck.py").splitlines()]
+    liar = [
+        r
+        for r in rows
+        if len(r) == 6 and r[1].strip() == "1.0" and r[2].strip() in ("True", "False")
+    ]
+    assert len(liar) == 1 and liar[0][2].strip() == "True" and liar[0][3].strip() == "none"

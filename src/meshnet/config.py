@@ -92,6 +92,10 @@ class EntryConfig:
     # what one session's hops were sent, kept to replay into a replacement hop; a session
     # past it goes on without failover (8,192 tokens x H 576 x 2 B x 2 hops = 19 MB)
     max_replay_bytes: int = 256 * MiB
+    # re-run this fraction of hop answers on another copy of the span (ADR-0032); a node
+    # whose answer agrees with no other copy stays out of this entry's routes for ban_s
+    spot_check_rate: float = 0.01
+    spot_check_ban_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,19 @@ class TrackerConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """How this process's links are encrypted (ADR-0033)."""
+
+    cert_file: str | None = None  # serve https with this certificate (PEM) ...
+    key_file: str | None = None  # ... and its private key
+    ca_file: str | None = None  # trust servers signed by this CA (PEM); None = the system's
+
+    @property
+    def serves(self) -> bool:
+        return self.cert_file is not None
+
+
+@dataclass(frozen=True)
 class AccessConfig:
     """Who may call a process (ADR-0017, ADR-0018)."""
 
@@ -116,6 +133,7 @@ class AccessConfig:
     api_keys: tuple[str, ...] = ()  # client keys for the OpenAI-compatible API
     allow_unauthenticated: bool = False  # no API keys: serve non-loopback clients anyway
     max_clock_skew_s: float = 30.0  # a signed call's timestamp may be this far off our clock
+    tls: TlsConfig = TlsConfig()  # and how the calls travel
 
 
 @dataclass(frozen=True)

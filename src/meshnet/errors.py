@@ -112,6 +112,7 @@ class HopError(MeshError):
         self.status = status  # the hop's HTTP status; None when it never answered
         self.hop = hop  # the `types.Hop` that failed, when known
         self.stale = False  # the hop no longer serves those layers: our route was old
+        self.reported = False  # the tracker was told already (a spot check's ban)
         if status == 429:  # a hop at its limits: the client should retry later, as with ours
             self.http_status = 429
 

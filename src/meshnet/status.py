@@ -6,6 +6,7 @@ member's machine, a swarm-key proof; on the tracker's own machine neither is nee
 
 from __future__ import annotations
 
+import ssl
 import sys
 from typing import Any
 
@@ -22,12 +23,19 @@ STATE_STYLE = {"ready": "green", "loading": "blue", "idle": "dim", "late": "yell
 
 
 def fetch_coverage(
-    url: str, api_key: str | None = None, swarm_key: str | None = None, timeout_s: float = 5.0
+    url: str,
+    api_key: str | None = None,
+    swarm_key: str | None = None,
+    timeout_s: float = 5.0,
+    ca_file: str | None = None,
 ) -> dict[str, Any]:
     """The tracker's coverage answer; `ApiError` (the server's words) or `httpx.HTTPError`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     auth = Signer(swarm_key).auth(TRACKER) if swarm_key and not api_key else None
-    with httpx.Client(base_url=url, timeout=timeout_s, headers=headers, auth=auth) as client:
+    verify = ssl.create_default_context(cafile=ca_file)  # https trackers: a mesh's own CA
+    with httpx.Client(
+        base_url=url, timeout=timeout_s, headers=headers, auth=auth, verify=verify
+    ) as client:
         response = client.get("/v1/coverage")
     check_response(response)
     body: dict[str, Any] = response.json()
@@ -95,11 +103,15 @@ def render(coverage: dict[str, Any], url: str) -> Group:
 
 
 def run_status(
-    url: str, api_key: str | None, swarm_key: str | None, console: Console | None = None
+    url: str,
+    api_key: str | None,
+    swarm_key: str | None,
+    console: Console | None = None,
+    ca_file: str | None = None,
 ) -> int:
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     try:
-        coverage = fetch_coverage(url, api_key, swarm_key)
+        coverage = fetch_coverage(url, api_key, swarm_key, ca_file=ca_file)
     except (ApiError, httpx.HTTPError) as exc:
         console.print(f"[red]meshnet status: {url}: {exc}[/red]")
         return 1

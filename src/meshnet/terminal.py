@@ -10,6 +10,7 @@ not pass through the tracker; an entry that cannot be reached or refuses before 
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,11 +35,13 @@ class GenerateOptions:
     raw: bool = False  # a plain completion of the prompt, without the chat template
     timeout_s: float = 300.0
     api_key: str | None = None  # sent as `Authorization: Bearer`
+    ca_file: str | None = None  # https entries: trust this CA (PEM); None = the system's
 
 
 def api_client(url: str, options: GenerateOptions) -> httpx.Client:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-    return httpx.Client(base_url=url, timeout=options.timeout_s, headers=headers)
+    verify = ssl.create_default_context(cafile=options.ca_file)
+    return httpx.Client(base_url=url, timeout=options.timeout_s, headers=headers, verify=verify)
 
 
 def first_model(client: httpx.Client) -> str:

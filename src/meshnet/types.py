@@ -101,6 +101,7 @@ class Hop:
     node_id: NodeId
     address: str  # http://host:port
     span: LayerSpan
+    quant: Quant | None = None  # its weights, as it registered them (None: not told)
 
     def __str__(self) -> str:
         return f"{self.node_id} ({self.address}) layers {self.span}"

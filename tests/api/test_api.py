@@ -163,7 +163,7 @@ def test_openai_client_sees_errors_as_exceptions(app: FastAPI) -> None:
 
 
 class NoRoute:
-    async def route(self, model: str, start: int) -> list[object]:
+    async def route(self, model: str, start: int, **_: object) -> list[object]:
         raise MissingLayersError("no node serves layers 4:6 of fake", missing=[(4, 6)])
 
 

@@ -60,13 +60,16 @@ class Mesh:
             "tracker",
             ["tracker", "--port", str(self.port), "--layers", "0:10", "--quant", "fp32"]
             + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")]
-            + ["--hop-timeout", str(HOP_TIMEOUT_S)]
+            + ["--hop-timeout", str(HOP_TIMEOUT_S), "--spot-check-rate", "0"]
             + ["--swarm-key-file", str(self.key_file)],
         )
         self.env["MESHNET_SWARM_KEY"] = self.join_key()
         port = free_port()
         self.entry = f"http://127.0.0.1:{port}"
+        # no spot checks: failover tests count each hop's sessions (test_entry_mesh.py has
+        # an entry that checks every answer)
         entry = ["--entry", "--layers", "0:10", "--api-key", API_KEY, "--log-format", "json"]
+        entry += ["--spot-check-rate", "0"]
         entry += [part for flag, value in ENTRY_LIMITS.items() for part in (flag, value)]
         self.launch("entry", self.node_args(port, "entry") + entry)
 
@@ -100,11 +103,11 @@ class Mesh:
         """Start `name` again: same port, same data folder, so the same node id."""
         self.launch(name, self.args[name])
 
-    def launch_pinned(self, name: str, layers: str) -> None:
-        """One more node, pinned to `layers` by hand, joining the tracker."""
+    def launch_pinned(self, name: str, layers: str, *flags: str) -> None:
+        """One more node, pinned to `layers` by hand (and `flags`), joining the tracker."""
         port = free_port()
         self.extra[name] = f"http://127.0.0.1:{port}"
-        self.launch(name, self.node_args(port, name) + ["--layers", layers])
+        self.launch(name, self.node_args(port, name) + ["--layers", layers, *flags])
 
     def stop_extra(self, names: list[str]) -> None:
         """Stop nodes started by `launch_pinned` for good (`revive` leaves them alone)."""

@@ -205,3 +205,44 @@ def test_the_tracker_lists_both_entry_processes_as_entries(mesh: Mesh) -> None:
     addresses = {e["address"] for e in listed["entries"]}
     assert addresses == {mesh.url, mesh.entry}  # tracker-as-node and `node --entry`
     assert all(e["span"] == {"start": 0, "end": 10} for e in listed["entries"])
+
+
+def spot_checks(url: str) -> dict[str, float]:
+    """`meshnet_spot_checks_total` by result, and the bans (`/metrics`)."""
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    found = {
+        line.split('result="')[1].split('"')[0]: float(line.split()[-1])
+        for line in lines
+        if line.startswith("meshnet_spot_checks_total{")
+    }
+    bans = [
+        float(line.split()[-1])
+        for line in lines
+        if line.startswith("meshnet_spot_check_bans_total")
+    ]
+    return found | {"bans": bans[0] if bans else 0.0}
+
+
+@pytest.mark.slow
+def test_an_entry_checking_every_answer_finds_honest_real_shards_agree(mesh: Mesh) -> None:
+    """`--spot-check-rate 1`: every hop answer is re-run on another copy of its span (real
+    processes, fp32 shards): all agree within tolerance, nobody is banned, the answer is
+    the same, and the throwaway check sessions leave every hop."""
+    mesh.launch_pinned("checker", "0:10", "--spot-check-rate", "1")
+    try:
+        url = mesh.extra["checker"]
+        wait_for(lambda: mesh.loaded(["checker"]), 120, "the checking entry")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"model": "default", "messages": messages, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        wait_for(lambda: spot_checks(url).get("match", 0) >= 2, 60, "spot checks to finish")
+        checks = spot_checks(url)
+        assert checks.get("mismatch", 0) == 0 and checks["bans"] == 0, checks
+        wait_for(
+            lambda: all(mesh.sessions(name) == 0 for name in mesh.addresses),
+            20,
+            "check sessions to close",
+        )
+    finally:
+        mesh.stop_extra(["checker"])

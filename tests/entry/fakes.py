@@ -16,6 +16,7 @@ from meshnet.config import RetryPolicy, WireConfig, WireLimits
 from meshnet.entry.generation import Generator
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import StaticRoutes
+from meshnet.entry.spotcheck import SpotChecker
 from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
@@ -46,16 +47,22 @@ class CountingHead:
 
 
 def fake_mesh(
-    margin: float = 20.0, chunk_tokens: int = 128, replicas: bool = False
+    margin: float = 20.0,
+    chunk_tokens: int = 128,
+    replicas: bool = False,
+    copies: tuple[str, ...] = (),
+    spot_checker: SpotChecker | None = None,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
-    With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover.
+    With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover; `copies` adds more
+    (`a3`: another copy of 2:4, `b3` of 4:6).
     """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
     if replicas:
         spans |= {"a2": LayerSpan(2, 4), "b2": LayerSpan(4, 6)}
+    spans |= {name: spans[name[0]] for name in copies}
     runners = {name: EchoRunner(MODEL, span) for name, span in spans.items()}
     hops = [Hop(NodeId(f"node-{name}"), name, span) for name, span in spans.items()]
     wire = WireConfig(chunk_tokens=chunk_tokens)
@@ -72,6 +79,7 @@ def fake_mesh(
         transport,
         wire,
         retry=retry,
+        spot_checker=spot_checker,
     )
     runners["local"] = local
     return Generator(pipeline, CharCodec(), 4096, random.Random(0)), transport, runners

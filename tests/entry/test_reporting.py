@@ -44,7 +44,9 @@ def test_a_request_that_fails_is_summarised_with_the_error() -> None:
     ended: list[msg.RequestSummary] = []
     generator.on_end = ended.append
 
-    async def no_route(model: str, start: int, end: int | None = None) -> list[object]:
+    async def no_route(
+        model: str, start: int, end: int | None = None, exclude: object = None
+    ) -> list[object]:
         raise RouteError("no node serves layers 4:6 of m")
 
     generator.pipeline.routes.route = no_route  # type: ignore[method-assign,assignment]

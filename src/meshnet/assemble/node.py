@@ -20,7 +20,15 @@ from starlette.applications import Starlette
 from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import create_app as create_api_app
 from meshnet.assemble.server import run_server
-from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, WireConfig, WireLimits
+from meshnet.config import (
+    AccessConfig,
+    ApiLimits,
+    EntryConfig,
+    NodeConfig,
+    TlsConfig,
+    WireConfig,
+    WireLimits,
+)
 from meshnet.entry.role import EntryRole, entry_budget
 from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
 from meshnet.entry.transport import HttpTransport
@@ -33,6 +41,7 @@ from meshnet.node.startup import registration, tracker_client
 from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey
+from meshnet.security.tls import client_context, scheme
 from meshnet.tracker import messages as msg
 from meshnet.tracker.offers import offer
 from meshnet.types import LayerSpan
@@ -50,11 +59,14 @@ def pinned_span(config: NodeConfig) -> LayerSpan | None:
     return None
 
 
-def node_registration(config: NodeConfig, pinned: LayerSpan | None) -> msg.RegisterRequest:
-    """An entry span given by hand registers a budget that holds its head too."""
+def node_registration(
+    config: NodeConfig, pinned: LayerSpan | None, tls: TlsConfig
+) -> msg.RegisterRequest:
+    """An entry span given by hand registers a budget that holds its head too; a node
+    serving https registers an https address."""
     if config.entry and pinned is not None and pinned.start == 0:
         config = replace(config, budget_bytes=entry_budget(config, pinned))
-    return registration(config)
+    return registration(config, scheme(tls))
 
 
 def node_service(
@@ -109,11 +121,15 @@ def build_app(
 ) -> Starlette:
     """The node's app: `/forward` for its spans, and the API when it may be an entry."""
     pinned = pinned_span(config)
-    request = node_registration(config, pinned)
+    request = node_registration(config, pinned, access.tls)
     service = node_service(config, request.node_id, access)
     signer = Signer(access.swarm_key)
     transport = HttpTransport(
-        service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
+        service.wire,
+        timeout_s=entry.hop_timeout_s,
+        signer=signer,
+        metrics=service.metrics,
+        tls=client_context(access.tls),
     )
     member = Membership(request.node_id)  # its token comes with the registration
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
@@ -163,5 +179,6 @@ def serve(config: NodeConfig, access: AccessConfig, entry: EntryConfig, limits: 
     pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_app(config, access, entry, limits)
     api = " (API under /v1 where it holds layer 0)" if config.entry else ""
-    log.info("node listening on http://%s:%d%s", config.host, config.port, api)
-    run_server(app, app.state.service, config.host, config.port, config.drain_timeout_s)
+    url = f"{scheme(access.tls)}://{config.host}:{config.port}"
+    log.info("node listening on %s%s", url, api)
+    run_server(app, app.state.service, config, access.tls)

@@ -12,7 +12,9 @@ import uvicorn
 from starlette.applications import Starlette
 
 from meshnet.assemble.http import ServerLimits, server_config
+from meshnet.config import NodeConfig, TlsConfig
 from meshnet.node.app import NodeService
+from meshnet.security.tls import server_options
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: Starlette, service: NodeService, host: str, port: int, drain_s: float) -> None:
-    config = server_config(app, host, port, ServerLimits(), timeout_graceful_shutdown=int(drain_s))
+def run_server(app: Starlette, service: NodeService, node: NodeConfig, tls: TlsConfig) -> None:
+    drain_s = node.drain_timeout_s
+    config = server_config(
+        app,
+        node.host,
+        node.port,
+        ServerLimits(),
+        timeout_graceful_shutdown=int(drain_s),
+        **server_options(tls),
+    )
     DrainingServer(config, service, drain_s).run()

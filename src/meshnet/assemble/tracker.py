@@ -23,7 +23,14 @@ from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
 from meshnet.assemble.http import ServerLimits, server_config
 from meshnet.assemble.node import agent_lifespan, node_registration, node_service
-from meshnet.config import AccessConfig, ApiLimits, EntryConfig, NodeConfig, TrackerConfig
+from meshnet.config import (
+    AccessConfig,
+    ApiLimits,
+    EntryConfig,
+    NodeConfig,
+    TlsConfig,
+    TrackerConfig,
+)
 from meshnet.entry.role import EntryRole, entry_span, load_entry_model
 from meshnet.entry.routes import RegistryRoutes
 from meshnet.entry.transport import HttpTransport
@@ -32,6 +39,7 @@ from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
+from meshnet.security.tls import client_context, scheme, server_options
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer
@@ -40,17 +48,17 @@ from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 log = logging.getLogger(__name__)
 
 
-def forwarding_client() -> httpx.AsyncClient:
+def forwarding_client(tls: TlsConfig) -> httpx.AsyncClient:
     """For calls forwarded to entries: a generation streams for minutes (no read timeout),
     but connecting must be quick."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=client_context(tls))
 
 
 def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig()) -> FastAPI:
     """A tracker that runs no model: the control plane, and clients forwarded to entries."""
     registry = build_registry(config)
-    forwarder = EntryForwarder(registry, forwarding_client())
-    prober = HttpProber(Signer(access.swarm_key))
+    forwarder = EntryForwarder(registry, forwarding_client(access.tls))
+    prober = HttpProber(Signer(access.swarm_key), verify=client_context(access.tls))
     return create_tracker_app(registry, config, prober=prober, access=access, forwarder=forwarder)
 
 
@@ -66,16 +74,22 @@ def build_tracker_node_app(
     signer = Signer(access.swarm_key)
     node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port, entry=True)
     span = entry_span(node)
-    request = node_registration(replace(node, layers=str(span)), span)
+    request = node_registration(replace(node, layers=str(span)), span, access.tls)
     service = node_service(node, request.node_id, access, registry.metrics)
     rules = [*node_rules(service.limits), *api_rules(limits)]
-    prober = OwnNodeTrusted(HttpProber(signer), request.node_id, request.address)
+    prober = OwnNodeTrusted(
+        HttpProber(signer, verify=client_context(access.tls)), request.node_id, request.address
+    )
     app = create_tracker_app(
         registry, tracker, prober=prober, access=access, extra_rules=rules, node_id=request.node_id
     )
     add_node_routes(app, service)  # other entry nodes may route through our span
     transport = HttpTransport(
-        service.wire, timeout_s=entry.hop_timeout_s, signer=signer, metrics=service.metrics
+        service.wire,
+        timeout_s=entry.hop_timeout_s,
+        signer=signer,
+        metrics=service.metrics,
+        tls=client_context(access.tls),
     )
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
     role = EntryRole(node, entry, service, routes, transport)
@@ -83,7 +97,9 @@ def build_tracker_node_app(
     service.shards.add(model.runner)
     role.add(model)
     # other models this tracker offers are answered by their entries (ADR-0028)
-    forwarder = EntryForwarder(registry, forwarding_client(), exclude=frozenset({request.node_id}))
+    forwarder = EntryForwarder(
+        registry, forwarding_client(access.tls), exclude=frozenset({request.node_id})
+    )
     app.include_router(
         api_router(
             role.generators,
@@ -116,8 +132,9 @@ def build_tracker_node_app(
 
 def serve_tracker(config: TrackerConfig, access: AccessConfig) -> None:
     app = build_tracker_app(config, access)
-    log.info("tracker on http://%s:%d", config.host, config.port)
-    uvicorn.Server(server_config(app, config.host, config.port, ServerLimits())).run()
+    log.info("tracker on %s://%s:%d", scheme(access.tls), config.host, config.port)
+    options = server_options(access.tls)
+    uvicorn.Server(server_config(app, config.host, config.port, ServerLimits(), **options)).run()
 
 
 def serve_tracker_node(
@@ -129,5 +146,8 @@ def serve_tracker_node(
 ) -> None:
     pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_tracker_node_app(tracker, node, entry, access, limits)
-    log.info("tracker and entry node on http://%s:%d (API under /v1)", tracker.host, tracker.port)
-    uvicorn.Server(server_config(app, tracker.host, tracker.port, ServerLimits())).run()
+    url = f"{scheme(access.tls)}://{tracker.host}:{tracker.port}"
+    log.info("tracker and entry node on %s (API under /v1)", url)
+    options = server_options(access.tls)
+    config = server_config(app, tracker.host, tracker.port, ServerLimits(), **options)
+    uvicorn.Server(config).run()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from meshnet.cli.flags import parse_bytes
-from meshnet.config import AccessConfig, ApiLimits
+from meshnet.config import AccessConfig, ApiLimits, TlsConfig
 from meshnet.security.keys import resolve_api_keys, resolve_swarm_key
+from meshnet.security.tls import check as check_tls
 
 
 def add_access_flags(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,11 @@ def add_access_flags(parser: argparse.ArgumentParser) -> None:
         "--api-key", action="append", dest="api_keys", help="a client API key (repeatable)"
     )
     group.add_argument("--api-keys-file", help="client API keys, one per line")
+    group.add_argument("--tls-cert", help="serve https with this certificate (PEM)")
+    group.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    group.add_argument(
+        "--tls-ca", help="trust https members signed by this CA (PEM; default: the system's)"
+    )
     group.add_argument(
         "--allow-unauthenticated",
         action="store_true",
@@ -47,7 +53,9 @@ def access_config(args: argparse.Namespace, create_key: bool) -> tuple[AccessCon
     """The access settings, and where the swarm key came from (in words)."""
     key, origin = resolve_swarm_key(args.swarm_key, args.swarm_key_file, create=create_key)
     keys = resolve_api_keys(args.api_keys, args.api_keys_file)
-    return AccessConfig(key, keys, args.allow_unauthenticated), origin
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    check_tls(tls)
+    return AccessConfig(key, keys, args.allow_unauthenticated, tls=tls), origin
 
 
 def api_limits(args: argparse.Namespace) -> ApiLimits:

@@ -30,6 +30,7 @@ def add_client_commands(sub: Any) -> None:
         help="an API key of the tracker (default: $MESHNET_API_KEY; none needed on loopback)",
     )
     status.add_argument("--swarm-key-file", help="sign with this swarm key file instead")
+    status.add_argument("--tls-ca", help="an https tracker: trust this CA file (PEM)")
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("MESHNET_API_KEY"),
         help="the API key to send (default: $MESHNET_API_KEY)",
     )
+    parser.add_argument("--tls-ca", help="an https entry: trust this CA file (PEM)")
 
 
 def generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -64,6 +66,7 @@ def generate_options(args: argparse.Namespace) -> GenerateOptions:
         stop=tuple(args.stop),
         raw=getattr(args, "raw", False),
         api_key=args.api_key,
+        ca_file=args.tls_ca,
     )
 
 
@@ -83,4 +86,4 @@ def run_client(args: argparse.Namespace) -> int:
         return run_generate(args.tracker, args.prompt, generate_options(args))
     if args.command == "chat":
         return run_chat(args.tracker, generate_options(args))
-    return run_status(args.tracker, args.api_key, status_swarm_key(args))
+    return run_status(args.tracker, args.api_key, status_swarm_key(args), ca_file=args.tls_ca)

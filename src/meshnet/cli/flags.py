@@ -37,6 +37,17 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
 
 
+def parse_fraction(text: str) -> float:
+    """`0.01` -> 0.01; anything outside [0, 1] is refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
+
+
 def add_log_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """Log flags, accepted before or after the command (after wins)."""
     level: Any = "INFO" if defaults else argparse.SUPPRESS

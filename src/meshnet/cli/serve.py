@@ -9,7 +9,7 @@ import socket
 from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
-from meshnet.cli.flags import parse_bytes
+from meshnet.cli.flags import parse_bytes, parse_fraction
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
 from meshnet.types import QUANTS
@@ -123,6 +123,18 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="an entry gives up on a hop after this many seconds and fails over (a hung node)",
     )
     group.add_argument(
+        "--spot-check-rate",
+        type=parse_fraction,
+        default=entry.spot_check_rate,
+        help="the fraction of hop answers an entry re-runs on another copy (0 = none)",
+    )
+    group.add_argument(
+        "--spot-check-ban",
+        type=float,
+        default=entry.spot_check_ban_s,
+        help="seconds a node whose answer failed a spot check stays out of this entry's routes",
+    )
+    group.add_argument(
         "--max-batch",
         type=int,
         default=default.max_batch,
@@ -211,7 +223,12 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def entry_config(args: argparse.Namespace) -> EntryConfig:
-    return EntryConfig(hop_timeout_s=args.hop_timeout, step_wait_s=args.step_wait)
+    return EntryConfig(
+        hop_timeout_s=args.hop_timeout,
+        step_wait_s=args.step_wait,
+        spot_check_rate=args.spot_check_rate,
+        spot_check_ban_s=args.spot_check_ban,
+    )
 
 
 def tracker_config(args: argparse.Namespace) -> TrackerConfig:
@@ -229,7 +246,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
     """Print how a node joins this tracker (the key travels in the environment, not argv)."""
     host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
-    command = join_command(f"http://{host}:{args.port}", key)
+    command = join_command(f"{'https' if args.tls_cert else 'http'}://{host}:{args.port}", key)
     print(f"meshnet tracker: swarm key {origin}", flush=True)
     print(f"meshnet tracker: join this mesh with:\n  {command}", flush=True)
 

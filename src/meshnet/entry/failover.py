@@ -46,7 +46,10 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     for attempt in range(pipeline.retry.max_attempts):
         try:
             chain = await pipeline.routes.route(
-                pipeline.model, failed.span.start, failed.span.end, frozenset(session.banned)
+                pipeline.model,
+                failed.span.start,
+                failed.span.end,
+                frozenset(session.banned) | pipeline.checker.bans.active(),
             )
             inputs = await _replay(pipeline, session, k, chain)
         except HopError as exc:  # a replacement failed too: ban it as well, try again
@@ -76,7 +79,7 @@ async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: Ho
     """Leave `hop` out of this session; tell the tracker unless it was only busy (429) or
     no longer serves those layers (a stale route: it is healthy, and may serve others)."""
     session.banned.add(hop.node_id)
-    if not error.busy and not error.stale:
+    if not error.busy and not error.stale and not error.reported:
         await pipeline.routes.report(hop.node_id, str(error))
     # in case it is alive after all; in the background, so that a hung hop (which may take the
     # close call's whole timeout) does not lengthen the pause

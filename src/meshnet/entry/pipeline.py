@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 from meshnet.config import RetryPolicy, WireConfig
 from meshnet.entry.failover import failover
 from meshnet.entry.routes import RouteSource
+from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import HopError
 from meshnet.node.executor import Executor
@@ -87,6 +89,13 @@ class PipelineSession:
         self.replay_bytes = sum(t.numel() * t.element_size() for ts in self.inputs for t in ts)
 
 
+def banned(hop: Hop) -> HopError:
+    """Why a session leaves a hop a spot check banned (the check reported it already)."""
+    error = HopError(f"hop {hop} failed a spot check", status=None, hop=hop)
+    error.reported = True
+    return error
+
+
 class Pipeline:
     """Feeds token ids through the entry's span and a route of remote hops."""
 
@@ -106,6 +115,7 @@ class Pipeline:
         metrics: Metrics | None = None,
         step_wait_s: float = 0.1,
         max_replay_bytes: int = 256 << 20,
+        spot_checker: SpotChecker | None = None,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -123,6 +133,8 @@ class Pipeline:
         self.max_replay_bytes = max_replay_bytes  # per session, for failover
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
         self.metrics = metrics or Metrics()
+        # re-runs a sample of hop answers on other copies; its bans keep nodes out of routes
+        self.checker = spot_checker or SpotChecker(0.0, random.Random(0), Bans(ban_s=0.0))
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
@@ -131,7 +143,12 @@ class Pipeline:
         self.executor.admit_session(session)
         start = self.local.span.end
         try:
-            hops = await self.routes.route(self.model, start) if start < self.num_layers else []
+            banned = self.checker.bans.active()
+            hops = (
+                await self.routes.route(self.model, start, exclude=banned)
+                if start < self.num_layers
+                else []
+            )
         except BaseException:
             self.executor.admitted(session)
             raise
@@ -239,12 +256,15 @@ class Pipeline:
             index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
             meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
             try:
+                if hop.node_id in self.checker.bans.active():
+                    raise banned(hop)
                 out = await self.transport.forward(hop, meta, hidden)
             except HopError as exc:  # whatever it was, another copy of the span may take it
                 await failover(self, session, k, exc)
                 self.metrics.failovers.inc()
                 continue
             session.record(k, hidden, self.max_replay_bytes)
+            self.checker.offer(self, session, k, meta, out)
             hidden, k = out, k + 1
         return hidden
 

@@ -18,6 +18,7 @@ from meshnet.config import EntryConfig, NodeConfig
 from meshnet.entry.generation import Generator
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import RouteSource
+from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import ModelError
 from meshnet.models import sizing
@@ -168,6 +169,9 @@ def make_generator(
         metrics=service.metrics,
         step_wait_s=entry.step_wait_s,
         max_replay_bytes=entry.max_replay_bytes,
+        spot_checker=SpotChecker(
+            entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
+        ),
     )
     return Generator(
         pipeline,

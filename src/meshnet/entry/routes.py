@@ -41,7 +41,7 @@ class RouteSource(Protocol):
 
 
 def hops_of(response: msg.RouteResponse) -> list[Hop]:
-    return [Hop(NodeId(h.node_id), h.address, h.span) for h in response.hops]
+    return [Hop(NodeId(h.node_id), h.address, h.span, h.quant) for h in response.hops]
 
 
 class TrackerRoutes:

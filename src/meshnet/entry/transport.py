@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -50,11 +51,13 @@ class HttpTransport:
         timeout_s: float = 60.0,
         signer: Signer | None = None,
         metrics: Metrics | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.wire = wire
         self.metrics = metrics or Metrics()
         self.limits = limits
         self.signer = signer or Signer(None)  # proves swarm membership to every hop
+        self.tls = tls  # verifies https hops (None: the system's CAs)
         # a dead host fails fast at connect; a slow prefill chunk may take up to timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s))
         self._client: aiohttp.ClientSession | None = None
@@ -63,7 +66,10 @@ class HttpTransport:
         if self._client is None or self._client.closed:
             # frames carry their own encoding: an HTTP Content-Encoding is never undone, so
             # a 149 KB gzip answer stays 149 KB (a hop's body is capped as it is read)
-            self._client = aiohttp.ClientSession(timeout=self.timeout, auto_decompress=False)
+            connector = aiohttp.TCPConnector(ssl=self.tls or True)
+            self._client = aiohttp.ClientSession(
+                timeout=self.timeout, auto_decompress=False, connector=connector
+            )
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:

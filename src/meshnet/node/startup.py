@@ -18,6 +18,7 @@ from meshnet.node.agent import node_id
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
+from meshnet.security.tls import client_context
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, ModelId
 
@@ -60,7 +61,7 @@ def measure_throughput(repeats: int = 30) -> float:
     return repeats / (time.perf_counter() - start)
 
 
-def registration(config: NodeConfig) -> msg.RegisterRequest:
+def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterRequest:
     """What this node tells the tracker: where it is, its budget, whether it may be an entry
     (and keeps an entry span given by hand: `--layers 0:K`)."""
     budget = config.budget_bytes or default_budget_bytes()
@@ -68,7 +69,7 @@ def registration(config: NodeConfig) -> msg.RegisterRequest:
     pinned = LayerSpan.parse(config.layers) if config.layers else None
     return msg.RegisterRequest(
         node_id=node_id(data_dir),
-        address=config.public_address or f"http://{config.host}:{config.port}",
+        address=config.public_address or f"{scheme}://{config.host}:{config.port}",
         budget_bytes=budget,
         kv_reserve_bytes=int(budget * config.kv_reserve_fraction),
         quant=config.quant or default_quant(),
@@ -81,4 +82,5 @@ def registration(config: NodeConfig) -> msg.RegisterRequest:
 def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> httpx.AsyncClient:
     """An httpx client for the tracker that signs every call with the swarm key."""
     auth = Signer(access.swarm_key).auth(TRACKER)  # and refuses an answer it did not sign
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=auth)
+    verify = client_context(access.tls)
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=auth, verify=verify)

@@ -68,6 +68,15 @@ class Metrics:
         self.failovers = Counter(
             "meshnet_failovers", "Hops replaced mid-session by this entry node", registry=r
         )
+        self.spot_checks = Counter(
+            "meshnet_spot_checks",
+            "Hop answers re-run on another copy, by result (match, mismatch, no_copy, skipped)",
+            ["result"],
+            registry=r,
+        )
+        self.spot_check_bans = Counter(
+            "meshnet_spot_check_bans", "Nodes banned by this entry's spot checks", registry=r
+        )
         self.directives = Counter(
             "meshnet_directives", "Rebalance directives issued by this tracker", ["op"], registry=r
         )

@@ -211,6 +211,7 @@ class RouteHop(Message):
     node_id: str
     address: str
     span: LayerSpan
+    quant: Quant | None = None  # its weights (the entry's spot checks allow for them)
 
 
 class RouteResponse(Message):

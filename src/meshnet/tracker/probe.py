@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import ssl
 from typing import Protocol
 
 import httpx
@@ -48,8 +49,10 @@ class HttpProber:
         signer: Signer,
         timeout_s: float = 3.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.signer = signer
+        self.verify = verify  # https addresses: the mesh's CA (or the system's)
         self.timeout_s = timeout_s
         self.transport = transport  # None = the network; tests pass an ASGI transport
 
@@ -74,6 +77,7 @@ class HttpProber:
                 timeout=self.timeout_s,
                 auth=self.signer.auth(node_id, answers=False),  # the answer carries a proof
                 transport=self.transport,
+                verify=self.verify,
             ) as http,
             http.stream(
                 "GET", f"{address}/v1/identity", params={"challenge": challenge}, headers=headers
@@ -96,7 +100,8 @@ class HttpProber:
 
     async def reachable(self, address: str) -> bool:
         try:
-            async with httpx.AsyncClient(timeout=0.5, transport=self.transport) as http:
+            client = httpx.AsyncClient(timeout=0.5, transport=self.transport, verify=self.verify)
+            async with client as http:
                 await http.get(f"{address}/health")
         except httpx.ConnectError:
             return False

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from meshnet.errors import MissingLayersError, RouteError
 from meshnet.tracker.planner import gaps
-from meshnet.types import LayerSpan, ModelId, NodeId
+from meshnet.types import LayerSpan, ModelId, NodeId, Quant
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Server:
     sessions: int  # sessions it holds now
     queue_depth: int = 0  # jobs waiting for its compute thread (at its last heartbeat)
     step_s: float = 0.0  # its median decode round in seconds; 0 = not measured yet
+
+    quant: Quant | None = None  # its weights' quantization (spot checks' tolerance)
 
 
 def choose_route(

@@ -26,6 +26,7 @@ def servers(
             r.sessions,
             r.queue_depth,
             r.step_s,
+            r.request.quant,
         )
         for node_id, r in sorted(registry.nodes.items())
         if node_id not in exclude and now >= r.suspect_until_s
@@ -58,7 +59,10 @@ def route(
     hops = choose_route(offer.model, offer.num_layers, live, start, rng, end)
     return msg.RouteResponse(
         model=model,
-        hops=[msg.RouteHop(node_id=h.node_id, address=h.address, span=h.span) for h in hops],
+        hops=[
+            msg.RouteHop(node_id=h.node_id, address=h.address, span=h.span, quant=h.quant)
+            for h in hops
+        ],
     )
 
 

@@ -1,0 +1,243 @@
+"""Integrity spot checks: a random sample of hop answers, re-run on another copy of the span.
+
+A hostile or broken member can answer with activations of the right shape, session and
+position that are simply wrong; nothing in the frame shows it. For a sample of the frames
+it sends (`rate`, a setting), the entry, after the hop answered, sends everything that hop
+was sent in the session (its replay inputs, the frame included) to another copy of the same
+layers as a fresh, throwaway session, and compares that copy's output at the frame's
+positions with the hop's answer. Within the quantizations' tolerance, all is well. Beyond
+it, a third copy decides: whoever disagrees with the other two is banned (kept out of this
+entry's routes for `ban_s`) and reported to the tracker; without a third copy (or when all
+three disagree) every party to the disagreement is banned. A check runs in the background,
+off the token's path, one at a time per checked node.
+
+The cost is the copy's compute: a check of a frame at position p re-runs p + T tokens there
+(as a prefill), so on average a generation of N tokens with check rate r costs about
+r * N / 2 extra prefill tokens per generated token (`benchmarks/spotcheck.py` measures it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from meshnet.errors import HopError, RouteError
+from meshnet.types import Hop, NodeId, Quant, SessionId
+from meshnet.wire import FrameMeta, split_prefill
+
+if TYPE_CHECKING:
+    from meshnet.entry.pipeline import Pipeline, PipelineSession
+
+log = logging.getLogger(__name__)
+K = TypeVar("K")
+Result = tuple[tuple[Hop, ...], torch.Tensor, Quant | None]  # (chain, its output, its quant)
+
+# Relative error ||a - b|| / ||b|| between two honest copies of a span's output, measured on
+# SmolLM2 spans 10:20 and 20:30 (bf16 on the wire, prefill and decode): fp32, bf16 and int8
+# pairs 0.006-0.051; any pair with nf4 up to 0.35 (its GGUF weights are 4-bit already).
+# Wrong answers measured: another token's output 0.87-1.0, the input passed through 0.55-0.97.
+# A 5% perturbation (0.05) is within tolerance: spot checks catch garbage, not subtle bias.
+TOLERANCE = 0.15
+NF4_TOLERANCE = 0.5
+
+
+def tolerance(a: Quant | None, b: Quant | None) -> float:
+    """How far two honest copies with these weight quantizations may differ."""
+    return NF4_TOLERANCE if "nf4" in (a, b) or None in (a, b) else TOLERANCE
+
+
+def relative_error(answer: torch.Tensor, reference: torch.Tensor) -> float:
+    """||answer - reference|| / ||reference||, in float32 (inf for another shape)."""
+    if answer.shape != reference.shape:
+        return float("inf")
+    ref = reference.float()
+    return float((answer.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def outliers(results: Sequence[tuple[K, torch.Tensor, Quant | None]]) -> list[K]:
+    """The parties whose output agrees with no other's (all of them when no two agree):
+    whom a disagreement bans. Pure: `results` are (party, output, its quantization)."""
+
+    def agree(i: int, j: int) -> bool:
+        (_, a, qa), (_, b, qb) = results[i], results[j]
+        return relative_error(a, b) <= tolerance(qa, qb)
+
+    n = len(results)
+    alone = [
+        k for i, (k, _, _) in enumerate(results) if not any(agree(i, j) for j in range(n) if j != i)
+    ]
+    return alone
+
+
+@dataclass
+class Bans:
+    """Nodes this entry keeps out of its routes, each until its time (monotonic s)."""
+
+    ban_s: float
+    clock: Callable[[], float] = time.monotonic
+    until: dict[NodeId, float] = field(default_factory=dict)
+
+    def ban(self, node: NodeId) -> None:
+        self.until[node] = self.clock() + self.ban_s
+
+    def active(self) -> frozenset[NodeId]:
+        now = self.clock()
+        self.until = {n: t for n, t in self.until.items() if t > now}
+        return frozenset(self.until)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One hop answer to check: what the hop was sent in the session (bf16 [1, P + T, H],
+    the frame last) and what it answered for the frame (bf16 [1, T, H])."""
+
+    hop: Hop
+    inputs: torch.Tensor
+    answer: torch.Tensor
+    excluded: frozenset[NodeId]  # the session's banned hops: never asked to judge
+
+
+class SpotChecker:
+    """Draws frames to check (`rate` of them), runs each check in the background: one at a
+    time per checked node (so every hop of a route gets its turn), `max_in_flight` in all."""
+
+    def __init__(self, rate: float, rng: random.Random, bans: Bans, max_in_flight: int = 4) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"a spot-check rate is a fraction in [0, 1], not {rate}")
+        self.rate = rate
+        self.rng = rng
+        self.bans = bans
+        self.max_in_flight = max_in_flight
+        self.tasks: dict[NodeId, asyncio.Task[None]] = {}  # checks in flight, by checked node
+        self.tokens_rerun = 0  # tokens the checks made other copies compute
+        self.checks_run = 0
+
+    def offer(
+        self,
+        pipeline: Pipeline,
+        session: PipelineSession,
+        k: int,
+        meta: FrameMeta,
+        answer: torch.Tensor,
+    ) -> None:
+        """After hop `k` answered `meta`'s frame with `answer`: start a check of it, by
+        chance, when none is running and the session kept its inputs."""
+        if self.rate <= 0.0 or self.rng.random() >= self.rate:
+            return
+        self.tasks = {n: t for n, t in self.tasks.items() if not t.done()}
+        node = session.hops[k].node_id
+        if node in self.tasks or len(self.tasks) >= self.max_in_flight:
+            pipeline.metrics.spot_checks.labels("skipped").inc()
+            return
+        pieces = session.inputs[k]
+        held = sum(p.shape[1] for p in pieces)
+        if not session.replayable or held != meta.position + answer.shape[1]:
+            pipeline.metrics.spot_checks.labels("skipped").inc()
+            return
+        sample = Sample(
+            session.hops[k], torch.cat(pieces, dim=1), answer, frozenset(session.banned)
+        )
+        self.tasks[node] = asyncio.ensure_future(self.check(pipeline, sample))
+
+    async def drain(self) -> None:
+        """Wait for the check in flight (tests, shutdown)."""
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def check(self, pipeline: Pipeline, sample: Sample) -> None:
+        """Compare the sample with other copies; ban and report whoever disagrees."""
+        try:
+            await self._check(pipeline, sample)
+        except Exception:  # a background task: log, never take the entry down
+            log.exception("spot check of %s failed", sample.hop)
+            pipeline.metrics.spot_checks.labels("skipped").inc()
+
+    async def _check(self, pipeline: Pipeline, sample: Sample) -> None:
+        hop, tokens = sample.hop, sample.answer.shape[1]
+        self.checks_run += 1
+        results: list[Result] = [((hop,), sample.answer, hop.quant)]
+        asked = {hop.node_id} | sample.excluded
+        for _ in range(2):  # another copy; a third one only to settle a disagreement
+            found = await self._rerun(pipeline, sample, frozenset(asked))
+            if found is None:
+                break
+            chain, output = found
+            asked |= {h.node_id for h in chain}
+            results.append((tuple(chain), output[:, -tokens:], _quant(chain)))
+            if len(results) == 2 and not outliers(results):
+                pipeline.metrics.spot_checks.labels("match").inc()
+                return
+        if len(results) == 1:
+            pipeline.metrics.spot_checks.labels("no_copy").inc()
+            return
+        await self._judge(pipeline, results)
+
+    async def _judge(self, pipeline: Pipeline, results: list[Result]) -> None:
+        """Ban and report every hop of each chain that agrees with no other copy."""
+        guilty = outliers(results)
+        pipeline.metrics.spot_checks.labels("mismatch").inc()
+        honest = [output for chain, output, _ in results if chain not in guilty]
+        reference = honest[0] if honest else results[0][1]
+        for chain, output, _ in results:
+            if chain not in guilty:
+                continue
+            error = relative_error(output, reference)
+            for hop in chain:
+                reason = (
+                    f"spot check: its answer for layers {hop.span} agrees with none of "
+                    f"{len(results) - 1} other copies (relative error {error:.2f})"
+                )
+                log.warning("banning %s: %s", hop, reason)
+                self.bans.ban(hop.node_id)
+                pipeline.metrics.spot_check_bans.inc()
+                await pipeline.routes.report(hop.node_id, reason)
+
+    async def _rerun(
+        self, pipeline: Pipeline, sample: Sample, exclude: frozenset[NodeId]
+    ) -> tuple[list[Hop], torch.Tensor] | None:
+        """`sample.inputs` through another chain for the hop's layers, as a throwaway
+        session; (the chain, its output [1, P + T, H]), or None when there is none."""
+        span = sample.hop.span
+        try:
+            chain = await pipeline.routes.route(
+                pipeline.model, span.start, span.end, exclude | self.bans.active()
+            )
+        except RouteError:
+            return None
+        session = SessionId(f"check-{uuid.uuid4().hex}")
+        hidden = sample.inputs
+        try:
+            for hop in chain:
+                hidden = await _through(pipeline, hop, session, hidden)
+                self.tokens_rerun += hidden.shape[1]
+        except HopError as exc:  # that copy failed: not a verdict on anyone
+            log.info("spot check of %s: copy %s failed: %s", sample.hop, exc.hop, exc.message)
+            return None
+        finally:
+            await asyncio.gather(*(pipeline.transport.close_session(h, session) for h in chain))
+        return chain, hidden
+
+
+async def _through(
+    pipeline: Pipeline, hop: Hop, session: SessionId, hidden: torch.Tensor
+) -> torch.Tensor:
+    outputs = []
+    for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
+        meta = FrameMeta(
+            session, pipeline.model, hop.span, chunk.position, chunk.index, chunk.total
+        )
+        outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
+    return torch.cat(outputs, dim=1)
+
+
+def _quant(chain: Sequence[Hop]) -> Quant | None:
+    """A chain's quantization for tolerance: nf4 if any hop is, else the first known."""
+    quants = [h.quant for h in chain]
+    return "nf4" if "nf4" in quants else next((q for q in quants if q), None)
