@@ -23,7 +23,7 @@ from pathlib import Path
 
 from meshnet.security.swarm import SwarmKey, sign
 
-KEY = "attack-benchmark-swarm-key"
+KEY = "attack-benchmark-swarm-key-padded-to-128-bits-0123456789"
 MiB = 1 << 20
 TO = "unregistered"  # the node id of a node that never joined a tracker
 SERVER = """

@@ -39,7 +39,7 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
-KEY = "hop-benchmark-swarm-key"
+KEY = "hop-benchmark-swarm-key-padded-to-128-bits-0123456789"
 
 
 def free_port() -> int:

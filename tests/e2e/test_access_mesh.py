@@ -41,7 +41,12 @@ def test_the_tracker_made_a_private_key_and_strangers_cannot_join(mesh: Mesh) ->
     url = f"{mesh.url}/v1/nodes/register"
     body = registration(mesh.addresses["a"])
     unsigned = httpx.post(url, json=body, timeout=10)
-    wrong = httpx.post(url, json=body, timeout=10, auth=Signer("not-the-swarm-key").auth("tracker"))
+    wrong = httpx.post(
+        url,
+        json=body,
+        timeout=10,
+        auth=Signer("not-the-swarm-key-padded-to-128-bits-0123456789").auth("tracker"),
+    )
     assert unsigned.status_code == wrong.status_code == 401
     assert wrong.json()["error"]["field"] == "X-Meshnet-Auth"
     # a member claiming an address where it cannot be reached is not counted either

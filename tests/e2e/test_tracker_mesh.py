@@ -22,7 +22,7 @@ HEARTBEAT_S, DEAD_AFTER_S = 0.5, 2.0
 # holds exactly 10 of them, so three nodes must split the 30 layers three ways.
 BUDGET = "165MB"
 ENTRY_BUDGET = "290MB"  # the fp32 head (113,248,512 bytes) and ten layers
-KEY = "tracker-mesh-test-swarm-key"
+KEY = "tracker-mesh-test-swarm-key-padded-to-128-bits-0123456789"
 ENV = {**os.environ, "MESHNET_SWARM_KEY": KEY}
 
 

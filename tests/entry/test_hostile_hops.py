@@ -167,7 +167,7 @@ def test_a_real_http_hop_answering_nan_is_that_hops_failure() -> None:
     assert "NaN or Inf" in error.message
 
 
-KEY = "hostile-hop-swarm-key"
+KEY = "hostile-hop-swarm-key-padded-to-128-bits-0123456789"
 
 
 def test_a_hop_that_signs_its_answers_is_believed() -> None:

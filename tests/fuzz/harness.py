@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from meshnet.security.access import replay_body
 from meshnet.security.swarm import HEADER, SwarmKey, sign
 
-KEY = "fuzz-swarm-key-0123456789"
+KEY = "fuzz-swarm-key-0123456789-padded-to-128-bits-0123456789"
 API_KEY = "fuzz-client-key-0001"
 tally: Counter[str] = Counter()  # fuzz cases run, by "app METHOD path"
 crashes: Counter[str] = Counter()  # answers of 500 and above (target: none)

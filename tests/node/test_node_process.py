@@ -18,7 +18,7 @@ from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode
 from meshnet.wire import headers as h
 
-KEY = "node-process-test-key"
+KEY = "node-process-test-key-padded-to-128-bits-0123456789"
 
 
 def free_port() -> int:

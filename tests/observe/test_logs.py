@@ -82,3 +82,19 @@ def test_log_format_json_is_taken_before_or_after_the_command(argv: list[str]) -
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_a_newline_in_a_remote_field_gives_one_text_line() -> None:
+    """Review finding 13: a report reason with a newline forged a log line of its own."""
+    out = io.StringIO()
+    text = logging.StreamHandler(out)
+    text.setFormatter(handler("text").formatter)
+    text.addFilter(SessionFilter())
+    log = logging.getLogger("meshnet.test.injection")
+    log.addHandler(text)
+    try:
+        log.warning("report: %s", "gone\n2026-12-02 12:00:00,000 INFO meshnet: all good\x1b[2J")
+    finally:
+        log.removeHandler(text)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "\\n2026-12-02" in lines[0] and "\\x1b[2J" in lines[0]

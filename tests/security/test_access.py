@@ -26,7 +26,7 @@ from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId
 from tests.conftest import run
 
-SWARM = "guard-test-swarm-key"
+SWARM = "guard-test-swarm-key-padded-to-128-bits-0123456789"
 RULES = [
     rule("/member", "swarm"),
     rule("/api", "client", max_body_bytes=100),
@@ -102,7 +102,9 @@ def test_signed_member_calls_get_in_and_a_replay_does_not() -> None:
     ok = call(KEYED, "POST", "/member?x=1", signer=signer, content=b"payload")
     assert ok.json() == {"client": "swarm", "bytes": 7}  # the body reached the app intact
     assert call(KEYED, "POST", "/either", signer=signer).json()["client"] == "swarm"
-    wrong = call(KEYED, "POST", "/member", signer=Signer("another-swarm-key"))
+    wrong = call(
+        KEYED, "POST", "/member", signer=Signer("another-swarm-key-padded-to-128-bits-0123456789")
+    )
     assert wrong.status_code == 401
 
 
@@ -165,7 +167,10 @@ def probe_target(key: str | None) -> httpx.ASGITransport:
 def test_the_probe_accepts_a_member_at_its_address_and_nothing_else() -> None:
     prober = HttpProber(Signer(SWARM), transport=probe_target(SWARM))
     run(prober.probe("node-a", "http://node-a"))
-    for node_id, target in (("node-b", SWARM), ("node-a", "a-different-swarm-key")):
+    for node_id, target in (
+        ("node-b", SWARM),
+        ("node-a", "a-different-swarm-key-padded-to-128-bits-0123456789"),
+    ):
         prober = HttpProber(Signer(SWARM), transport=probe_target(target))
         with pytest.raises(MeshError) as refused:
             run(prober.probe(node_id, "http://node-a"))

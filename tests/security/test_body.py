@@ -18,7 +18,7 @@ from meshnet.security.body import BodyLimits
 from meshnet.security.swarm import SwarmKey, sign
 from tests.conftest import run
 
-SWARM = "body-test-swarm-key"
+SWARM = "body-test-swarm-key-padded-to-128-bits-0123456789"
 MiB = 1 << 20
 RULES = [rule("/forward", "swarm", max_body_bytes=64 * MiB), rule("/api", "client")]
 ACCESS = AccessConfig(swarm_key=SWARM, api_keys=("client-key-1",))

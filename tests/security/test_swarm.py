@@ -17,7 +17,7 @@ from meshnet.security.swarm import (
     sign,
 )
 
-KEY = SwarmKey.from_text("a-test-swarm-key-0123")
+KEY = SwarmKey.from_text("a-test-swarm-key-0123-padded-to-128-bits-0123456789")
 BODY = b"\x00\x01activations"
 
 
@@ -88,7 +88,14 @@ def test_answer_macs_bind_nonce_status_headers_and_body() -> None:
         ("GET", b"/forward", BODY, KEY, 1000.0, "does not match"),  # another method
         ("POST", b"/sessions/x", BODY, KEY, 1000.0, "does not match"),  # another path
         ("POST", b"/forward", BODY + b"!", KEY, 1000.0, "does not match"),  # altered body
-        ("POST", b"/forward", BODY, SwarmKey.from_text("another-key-456789"), 1000.0, "match"),
+        (
+            "POST",
+            b"/forward",
+            BODY,
+            SwarmKey.from_text("another-key-456789-padded-to-128-bits-0123456789"),
+            1000.0,
+            "match",
+        ),
         ("POST", b"/forward", BODY, KEY, 1031.0, "off this clock"),  # too old
         ("POST", b"/forward", BODY, KEY, 969.0, "off this clock"),  # from the future
     ],

@@ -25,7 +25,7 @@ from tests.tracker.test_app import MB, Clock
 from tests.tracker.test_observe import SUMMARY
 
 pytestmark = pytest.mark.slow
-KEY, SWARM = "k-dashboard-0123456789", "cd" * 32
+KEY, SWARM = "k-dashboard-0123456789-padded-to-128-bits-0123456789", "cd" * 32
 
 
 @pytest.fixture

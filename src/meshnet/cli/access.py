@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from meshnet.cli.flags import parse_bytes
 from meshnet.config import AccessConfig, ApiLimits, TlsConfig
@@ -10,21 +11,37 @@ from meshnet.security.keys import resolve_api_keys, resolve_swarm_key
 from meshnet.security.tls import check as check_tls
 
 
+def not_on_argv(hint: str) -> Callable[[str], str]:
+    """An argparse `type` refusing a secret on the command line, where every user of the
+    machine sees it in `ps` (review finding 12)."""
+
+    def refuse(_: str) -> str:
+        raise argparse.ArgumentTypeError(f"secrets are not taken on the command line: {hint}")
+
+    return refuse
+
+
 def add_access_flags(parser: argparse.ArgumentParser) -> None:
     """Membership (swarm key), client API keys and the API's per-client limits."""
     group = parser.add_argument_group("access")
     group.add_argument(
         "--swarm-key",
-        help="the mesh's shared secret (default: $MESHNET_SWARM_KEY, or the key file)",
+        type=not_on_argv("set MESHNET_SWARM_KEY or pass --swarm-key-file"),
+        help=argparse.SUPPRESS,
     )
     group.add_argument(
         "--swarm-key-file",
         help="the key file (default ~/.meshnet/swarm.key; a tracker creates it on first start)",
     )
     group.add_argument(
-        "--api-key", action="append", dest="api_keys", help="a client API key (repeatable)"
+        "--api-key",
+        dest="api_keys",
+        type=not_on_argv("set MESHNET_API_KEYS=k1,k2 or pass --api-keys-file"),
+        help=argparse.SUPPRESS,
     )
-    group.add_argument("--api-keys-file", help="client API keys, one per line")
+    group.add_argument(
+        "--api-keys-file", help="client API keys, one per line (mode 0600; or $MESHNET_API_KEYS)"
+    )
     group.add_argument("--tls-cert", help="serve https with this certificate (PEM)")
     group.add_argument("--tls-key", help="the certificate's private key (PEM)")
     group.add_argument(
@@ -51,8 +68,8 @@ def add_access_flags(parser: argparse.ArgumentParser) -> None:
 
 def access_config(args: argparse.Namespace, create_key: bool) -> tuple[AccessConfig, str]:
     """The access settings, and where the swarm key came from (in words)."""
-    key, origin = resolve_swarm_key(args.swarm_key, args.swarm_key_file, create=create_key)
-    keys = resolve_api_keys(args.api_keys, args.api_keys_file)
+    key, origin = resolve_swarm_key(args.swarm_key_file, create=create_key)
+    keys = resolve_api_keys(args.api_keys_file)
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
     check_tls(tls)
     return AccessConfig(key, keys, args.allow_unauthenticated, tls=tls), origin

@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any
 
+from meshnet.cli.access import not_on_argv
 from meshnet.errors import MeshError
 from meshnet.security.keys import resolve_swarm_key
 from meshnet.status import run_status
@@ -26,8 +27,8 @@ def add_client_commands(sub: Any) -> None:
     status.add_argument("--tracker", default=DEFAULT_TRACKER, help="the tracker's URL")
     status.add_argument(
         "--api-key",
-        default=os.environ.get("MESHNET_API_KEY"),
-        help="an API key of the tracker (default: $MESHNET_API_KEY; none needed on loopback)",
+        type=not_on_argv("set MESHNET_API_KEY"),
+        help="refused: the API key comes from $MESHNET_API_KEY (none needed on loopback)",
     )
     status.add_argument("--swarm-key-file", help="sign with this swarm key file instead")
     status.add_argument("--tls-ca", help="an https tracker: trust this CA file (PEM)")
@@ -49,10 +50,15 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("MESHNET_API_KEY"),
-        help="the API key to send (default: $MESHNET_API_KEY)",
+        type=not_on_argv("set MESHNET_API_KEY"),
+        help="refused: the API key to send comes from $MESHNET_API_KEY",
     )
     parser.add_argument("--tls-ca", help="an https entry: trust this CA file (PEM)")
+
+
+def api_key() -> str | None:
+    """The client's API key: `$MESHNET_API_KEY` (never argv, where `ps` shows it)."""
+    return os.environ.get("MESHNET_API_KEY") or None
 
 
 def generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -65,17 +71,17 @@ def generate_options(args: argparse.Namespace) -> GenerateOptions:
         seed=args.seed,
         stop=tuple(args.stop),
         raw=getattr(args, "raw", False),
-        api_key=args.api_key,
+        api_key=api_key(),
         ca_file=args.tls_ca,
     )
 
 
 def status_swarm_key(args: argparse.Namespace) -> str | None:
     """A swarm key to sign `status` with, when this machine has one (never created here)."""
-    if args.api_key:
+    if api_key():
         return None
     try:
-        key, _ = resolve_swarm_key(None, args.swarm_key_file, create=False)
+        key, _ = resolve_swarm_key(args.swarm_key_file, create=False)
     except MeshError:
         return None
     return key
@@ -86,4 +92,4 @@ def run_client(args: argparse.Namespace) -> int:
         return run_generate(args.tracker, args.prompt, generate_options(args))
     if args.command == "chat":
         return run_chat(args.tracker, generate_options(args))
-    return run_status(args.tracker, args.api_key, status_swarm_key(args), ca_file=args.tls_ca)
+    return run_status(args.tracker, api_key(), status_swarm_key(args), ca_file=args.tls_ca)

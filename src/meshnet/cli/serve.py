@@ -244,9 +244,13 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 
 
 def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
-    """Print how a node joins this tracker (the key travels in the environment, not argv)."""
+    """Print how a node joins this tracker. The key itself only when it was just created
+    (review finding 12: logs and journals keep what a process prints); otherwise the join
+    command names where the key is (the key travels in the environment, never argv)."""
     host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
-    command = join_command(f"{'https' if args.tls_cert else 'http'}://{host}:{args.port}", key)
+    url = f"{'https' if args.tls_cert else 'http'}://{host}:{args.port}"
+    created = origin.startswith("created")
+    command = join_command(url, key if created else f"<the key {origin}>")
     print(f"meshnet tracker: swarm key {origin}", flush=True)
     print(f"meshnet tracker: join this mesh with:\n  {command}", flush=True)
 

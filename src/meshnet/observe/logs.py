@@ -61,6 +61,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), 127] if c != 9} | {10: "\\n", 13: "\\r"}
+
+
+class TextFormatter(logging.Formatter):
+    """`TEXT_FORMAT` lines whose message cannot start a line of its own: control characters
+    a remote party put into it (a report's reason, a hop's error text) are escaped, so one
+    record is one line (review finding 13). Tracebacks keep their lines."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = record.message.translate(_CONTROL)
+        return super().formatMessage(record)
+
+
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever `sys.stderr` is now: a live progress bar may have swapped it."""
 
@@ -76,7 +92,7 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def handler(fmt: LogFormat) -> logging.Handler:
     out = _StderrHandler()
     out.addFilter(SessionFilter())
-    out.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    out.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     return out
 
 

@@ -1,7 +1,8 @@
 """Where keys come from: flags, environment, key files; first-start key generation.
 
-Swarm key precedence: `--swarm-key`, then `MESHNET_SWARM_KEY`, then the key file
-(`--swarm-key-file`, default `~/.meshnet/swarm.key`). A tracker (or a node without a
+Swarm key precedence: `MESHNET_SWARM_KEY`, then the key file (`--swarm-key-file`, default
+`~/.meshnet/swarm.key`). No key is ever taken from the command line, where `ps` shows it to
+every user of the machine; key files must be private (mode 0600). A tracker (or a node without a
 tracker) creates the file on first start: 32 random bytes as hex, mode 0600.
 """
 
@@ -36,12 +37,20 @@ def create_key_file(path: Path) -> str:
     return key
 
 
-def read_key_file(path: Path) -> str:
-    mode = stat.S_IMODE(path.stat().st_mode)
+def check_private(path: Path, what: str) -> None:
+    """`ConfigError` unless only its owner may read `path` (mode 0600 or stricter)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
     if mode & 0o077:
         raise ConfigError(
-            f"swarm key file {path} is readable by others (mode {mode:o}); run chmod 600 {path}"
+            f"{what} {path} is readable by others (mode {mode:o}); run chmod 600 {path}"
         )
+
+
+def read_key_file(path: Path) -> str:
+    check_private(path, "swarm key file")
     key = path.read_text().strip()
     if len(key) < MIN_KEY_CHARS:
         raise ConfigError(f"swarm key file {path} holds fewer than {MIN_KEY_CHARS} characters")
@@ -49,15 +58,15 @@ def read_key_file(path: Path) -> str:
 
 
 def resolve_swarm_key(
-    flag: str | None, key_file: str | None, *, create: bool, env: dict[str, str] | None = None
+    key_file: str | None, *, create: bool, env: dict[str, str] | None = None
 ) -> tuple[str, str]:
     """The swarm key and where it came from, in words; `ConfigError` when there is none."""
     env = dict(os.environ) if env is None else env
-    for given, origin in ((flag, "--swarm-key"), (env.get(SWARM_KEY_ENV), SWARM_KEY_ENV)):
-        if given:
-            if len(given.strip()) < MIN_KEY_CHARS:
-                raise ConfigError(f"a swarm key needs at least {MIN_KEY_CHARS} characters")
-            return given.strip(), f"from {origin}"
+    given = env.get(SWARM_KEY_ENV, "").strip()
+    if given:
+        if len(given) < MIN_KEY_CHARS:
+            raise ConfigError(f"a swarm key needs at least {MIN_KEY_CHARS} characters")
+        return given, f"from {SWARM_KEY_ENV}"
     path = Path(key_file).expanduser() if key_file else default_key_file()
     if path.exists():
         return read_key_file(path), f"read from {path}"
@@ -69,16 +78,15 @@ def resolve_swarm_key(
     )
 
 
-def resolve_api_keys(
-    flags: list[str] | None, keys_file: str | None, env: dict[str, str] | None = None
-) -> tuple[str, ...]:
-    """Client API keys from `--api-key` (repeatable), `MESHNET_API_KEYS` and a keys file
-    (one key per line, `#` comments)."""
+def resolve_api_keys(keys_file: str | None, env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Client API keys from `MESHNET_API_KEYS` (comma-separated) and a private keys file (one
+    key per line, `#` comments)."""
     env = dict(os.environ) if env is None else env
-    keys = [k.strip() for k in flags or []]
-    keys += [k.strip() for k in env.get(API_KEYS_ENV, "").split(",")]
+    keys = [k.strip() for k in env.get(API_KEYS_ENV, "").split(",")]
     if keys_file:
-        lines = Path(keys_file).expanduser().read_text().splitlines()
+        path = Path(keys_file).expanduser()
+        check_private(path, "API keys file")
+        lines = path.read_text().splitlines()
         keys += [line.strip() for line in lines if not line.strip().startswith("#")]
     keys = [k for k in keys if k]
     short = [k for k in keys if len(k) < 8]
