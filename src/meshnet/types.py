@@ -11,6 +11,8 @@ NodeId = NewType("NodeId", str)
 SessionId = NewType("SessionId", str)
 ModelId = NewType("ModelId", str)
 
+# what a model source is: the embedded default, a .gguf file, a checkpoint folder, a hub id
+SourceKind = Literal["default", "gguf", "folder", "hub"]
 Quant = Literal["fp32", "bf16", "int8", "nf4"]  # how a node stores its layers' weights
 QUANTS: tuple[Quant, ...] = get_args(Quant)
 ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4 layers compute in (ADR-0024)

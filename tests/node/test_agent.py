@@ -6,8 +6,10 @@ import asyncio
 import random
 
 import httpx
+import pytest
 
 from meshnet.config import TrackerConfig, WireConfig, WireLimits
+from meshnet.models.source import source_kind
 from meshnet.node.agent import NodeAgent, node_id
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner, ShardRunner
@@ -161,3 +163,39 @@ def test_loaded_and_dropped_spans_reach_the_hooks_on_the_loop() -> None:
         await client.aclose()
 
     run(scenario())
+
+
+def test_a_source_of_another_kind_here_is_refused_before_any_download() -> None:
+    """Review finding 14: the tracker offers a folder `org/name`; a node without that folder
+    would have resolved it as a hub id and downloaded whatever that namespace holds."""
+
+    async def scenario() -> None:
+        offers = [ModelOffer(ModelId("m"), 8, {"fp32": 10 * MB})]
+        registry = Registry(offers, {ModelId("m"): "org/name"}, dead_after_s=60, clock=lambda: 0.0)
+        registry.source_kinds = {ModelId("m"): "folder"}
+        app = create_app(registry, TrackerConfig(), prober=TrustingProber())
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        calls: list[str] = []
+
+        def loader(model: str, source: str, span: LayerSpan) -> ShardRunner:
+            calls.append(source)  # the hub download would start in here
+            return EchoRunner(ModelId(model), span)
+
+        request = msg.RegisterRequest(
+            node_id="a", address="http://a:1", budget_bytes=100 * MB, quant="fp32", throughput=1.0
+        )
+        node = NodeAgent(NodeService([], WireLimits(), WireConfig()), client, request, loader)
+        await settle(node)
+        assert not calls and not node.service.shards
+        assert registry.nodes["a"].failed == {(ModelId("m"), LayerSpan(0, 8))}
+        await client.aclose()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("default", "default"), ("org/name", "hub"), ("./no/such/thing", None), ("x.gguf", None)],
+)
+def test_source_kinds_are_told_without_reading(name: str, kind: str | None) -> None:
+    assert source_kind(name) == kind

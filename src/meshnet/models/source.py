@@ -17,6 +17,7 @@ from typing import Any
 from meshnet.errors import ModelError
 from meshnet.models import registry
 from meshnet.models.spec import ModelSpec
+from meshnet.types import SourceKind
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,44 @@ def default_gguf() -> Path:
     return Path(next(iter(found.submodule_search_locations))) / DEFAULT_FILE
 
 
-def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
-    """Resolve `default`, a `.gguf` path, a checkpoint folder or a hub id `org/name`."""
+def source_kind(name: str) -> SourceKind | None:
+    """What `resolve(name)` would read on this machine, found without reading it: `default`,
+    a `.gguf` file, a checkpoint folder, a hub id `org/name` (nothing at that path), or
+    None."""
     if name == "default":
-        return _gguf_source("default", default_gguf())
+        return "default"
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return _gguf_source(path.stem, path)
+        return "gguf"
     if path.is_dir():
-        return _folder_source(path.name, path)
+        return "folder"
     if name.count("/") == 1 and not path.exists():
+        return "hub"
+    return None
+
+
+def check_source_kind(name: str, expected: SourceKind | None) -> None:
+    """Refuse (`ModelError`) a source the tracker named as one kind that is another kind
+    here: a folder missing on this node would otherwise become a hub download from a
+    namespace anyone can register (review finding 14). `expected` None: not told."""
+    found = source_kind(name)
+    if expected is not None and found != expected:
+        raise ModelError(
+            f"the tracker offers {name!r} as a {expected} source, but on this node it is "
+            f"{'a ' + found + ' source' if found else 'nothing'}: not loading it"
+        )
+
+
+def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
+    """Resolve `default`, a `.gguf` path, a checkpoint folder or a hub id `org/name`."""
+    kind, path = source_kind(name), Path(name).expanduser()
+    if kind == "default":
+        return _gguf_source("default", default_gguf())
+    if kind == "gguf":
+        return _gguf_source(path.stem, path)
+    if kind == "folder":
+        return _folder_source(path.name, path)
+    if kind == "hub":
         from meshnet.models.hub import hub_source
 
         return hub_source(name, cache_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from meshnet.models.source import check_source_kind
 from meshnet.node.app import NodeService
 from meshnet.node.runner import ShardRunner
 from meshnet.tracker import messages as msg
@@ -185,6 +186,7 @@ class NodeAgent:
     async def _load(self, d: msg.DirectiveMessage) -> None:
         key = (d.model, d.span)
         try:
+            check_source_kind(d.source, d.source_kind)  # before the loader: no download
             runner = await asyncio.get_running_loop().run_in_executor(
                 self.service.scheduler.worker, self.loader, d.model, d.source, d.span
             )

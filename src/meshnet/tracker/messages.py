@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from meshnet.types import LayerSpan, Quant
+from meshnet.types import LayerSpan, Quant, SourceKind
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 Op = Literal["LOAD_SHARD", "DROP_SHARD"]
@@ -43,6 +43,8 @@ class DirectiveMessage(Message):
     op: Op
     model: str
     source: str  # what the node passes to the model loader (e.g. `default`, a hub id)
+    # what the source is on the tracker's machine; a node finding another kind refuses it
+    source_kind: SourceKind | None = None
     span: LayerSpan
     reason: str
 

@@ -7,7 +7,7 @@ import time
 
 from meshnet.config import TrackerConfig
 from meshnet.models.sizing import head_bytes, layer_bytes
-from meshnet.models.source import resolve
+from meshnet.models.source import resolve, source_kind
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import Registry
 from meshnet.types import QUANTS, ModelId, is_valid_id
@@ -29,18 +29,19 @@ def offer(name: str) -> ModelOffer:
 
 
 def build_registry(config: TrackerConfig) -> Registry:
-    offers, sources = [], {}
+    offers, sources, kinds = [], {}, {}
     for name in config.models:
         model = offer(name)
         offers.append(model)
         sources[model.model] = name
+        kinds[model.model] = source_kind(name)
         log.info(
             "offering %s: %d layers, %d bytes per layer at fp32",
             model.model,
             model.num_layers,
             model.layer_bytes["fp32"],
         )
-    return Registry(
+    registry = Registry(
         offers,
         sources,
         dead_after_s=config.dead_after_s,
@@ -49,3 +50,5 @@ def build_registry(config: TrackerConfig) -> Registry:
         max_nodes=config.max_nodes,
         max_per_address=config.max_nodes_per_address,
     )
+    registry.source_kinds = {m: k for m, k in kinds.items() if k is not None}
+    return registry

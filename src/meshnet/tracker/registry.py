@@ -31,7 +31,7 @@ from meshnet.tracker.membership import (
     token_digest,
 )
 from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
-from meshnet.types import ModelId, NodeId
+from meshnet.types import ModelId, NodeId, SourceKind
 
 log = logging.getLogger(__name__)
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
@@ -99,6 +99,7 @@ class Registry:
     ) -> None:
         self.offers = {o.model: o for o in offers}
         self.sources = sources  # model id -> what nodes pass to their loader
+        self.source_kinds: dict[ModelId, SourceKind] = {}  # ... and what kind of source it is
         self.base_dead_after_s = dead_after_s
         self.base_interval_s = heartbeat_interval_s or dead_after_s / 3
         self.clock = clock
@@ -361,6 +362,7 @@ class Registry:
             op=directive.op,
             model=directive.model,
             source=self.sources.get(directive.model, directive.model),
+            source_kind=self.source_kinds.get(directive.model),
             span=directive.span,
             reason=directive.reason,
         )
