@@ -134,6 +134,8 @@ class AccessConfig:
     allow_unauthenticated: bool = False  # no API keys: serve non-loopback clients anyway
     max_clock_skew_s: float = 30.0  # a signed call's timestamp may be this far off our clock
     tls: TlsConfig = TlsConfig()  # and how the calls travel
+    # a caller refused this often in a minute (401) is answered 429 until the minute is over
+    max_refusals_per_minute: int = 60
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from meshnet.errors import AuthError, MeshError
 from meshnet.http_errors import error_response
 from meshnet.security.body import BodyLimits, InFlight, read_body
 from meshnet.security.swarm import ANSWER_HEADER, HEADER, Proof, SwarmKey, Verifier, answer_mac
+from meshnet.security.throttle import RefusalThrottle
 
 CLIENT_KEY = "meshnet.client"  # scope key: "swarm", "key:<fingerprint>" or "ip:<address>"
 KiB = 1 << 10
@@ -250,6 +251,7 @@ class Guard:
         self.credentials = credentials
         self.limits = limits
         self.in_flight = InFlight(limits.max_in_flight_bytes)
+        self.throttle = RefusalThrottle(credentials.access.max_refusals_per_minute, time.monotonic)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":  # no meshnet route is one (review finding 11)
@@ -260,8 +262,10 @@ class Guard:
             return
         found = match(self.rules, scope["path"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = _client_host(scope) or "?"
         try:
-            admission = self.credentials.admit(found.needs, scope, headers)
+            self.throttle.check(host)
+            admission = self._admit(found, scope, headers, host)
             body = await read_body(
                 headers.get("content-length"),
                 receive,
@@ -275,6 +279,8 @@ class Guard:
         try:
             client = admission.confirm(body.sha256)
         except MeshError as exc:
+            if isinstance(exc, AuthError):
+                self.throttle.refused(host)
             self.in_flight.give(len(body.data))
             await error_response(exc)(scope, receive, send)
             return
@@ -283,6 +289,14 @@ class Guard:
             await self.app(scope, replay_body(body.data, receive), admission.answers(send))
         finally:
             self.in_flight.give(len(body.data))
+
+    def _admit(self, found: Rule, scope: Scope, headers: dict[str, str], host: str) -> Admission:
+        """The credentials' verdict from the headers; a refusal counts against `host`."""
+        try:
+            return self.credentials.admit(found.needs, scope, headers)
+        except AuthError:
+            self.throttle.refused(host)
+            raise
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:
