@@ -146,5 +146,7 @@ class ApiLimits:
     max_prompt_tokens: int = 8192  # after the chat template; the model's context also applies
     max_tokens: int = 4096  # `max_tokens` / `max_completion_tokens`
     max_concurrent_per_client: int = 8  # generations in flight per API key (or loopback IP)
+    max_generations: int = 256  # generations in flight from all clients together
+    write_timeout_s: float = 30.0  # a streamed answer the client stops reading is ended
     requests_per_minute: float = 600.0  # sustained rate per client; 0 = unlimited
     burst_requests: int = 60  # requests a quiet client may send at once

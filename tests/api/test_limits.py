@@ -3,6 +3,10 @@ naming its limit, and none leaves a session or a slot behind."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -163,3 +167,58 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized() -> None
     assert response.status_code == 400 and "characters" in response.json()["error"]["message"]
     assert seen == [] and no_leftovers(app)
     assert post(app, CHAT).status_code == 200 and seen == [1]
+
+
+def test_generations_in_flight_are_capped_across_clients() -> None:
+    """Review finding 9: each client had its own cap, the server none."""
+    app = make(ApiLimits(max_generations=2, max_concurrent_per_client=8))
+    app.state.limiter.acquire("key:a")
+    app.state.limiter.acquire("key:b")
+    refused = post(app, CHAT)
+    assert refused.status_code == 429 and "this server has 2" in refused.json()["error"]["message"]
+    assert "Retry-After" in refused.headers
+    app.state.limiter.release("key:a")
+    assert post(app, CHAT).status_code == 200
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_every_hop_forgets_it() -> None:
+    """Review finding 9: an SSE reader that never reads held its sessions on every hop with
+    no deadline. Here the client's socket is full after the first event (its `send` never
+    returns): at the write deadline the stream ends and the sessions close."""
+    app = make(ApiLimits(write_timeout_s=0.3))
+    body = json.dumps(CHAT | {"stream": True, "max_tokens": 50}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"localhost"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("localhost", 80),
+    }
+    events: list[dict[str, object]] = []
+
+    async def go() -> float:
+        async def receive() -> dict[str, object]:
+            if not events:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)  # no disconnect: the client is there, just not reading
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            events.append(message)
+            if message["type"] == "http.response.body" and len(events) > 2:
+                await asyncio.sleep(3600)  # the socket's buffers are full
+
+        started = time.monotonic()
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return time.monotonic() - started
+
+    took = run(go())
+    assert took < 5 and events[0]["status"] == 200
+    assert no_leftovers(app)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Send
 
 from meshnet import __version__
 from meshnet.api import schemas
@@ -127,7 +128,7 @@ def api_router(
         check_max_tokens(params, limits, request.max_tokens_field())
         events = _limited(generator.stream(prompt, params), limiter, client)
         render = _chat_renderer(request.model)
-        return await _respond(events, request, render, "chat.completion")
+        return await _respond(events, request, render, "chat.completion", limits.write_timeout_s)
 
     @router.post("/v1/completions")
     async def completions(request: schemas.CompletionRequest, http: Request) -> Response:
@@ -142,7 +143,7 @@ def api_router(
         check_max_tokens(request.params(), limits, "max_tokens")
         events = _limited(generator.stream(prompt, request.params()), limiter, client)
         render = _text_renderer(request.model)
-        return await _respond(events, request, render, "text_completion")
+        return await _respond(events, request, render, "text_completion", limits.write_timeout_s)
 
     return router
 
@@ -192,8 +193,35 @@ async def _limited(
         limiter.release(client)
 
 
+class DeadlineStream(StreamingResponse):
+    """A streamed answer whose every write must go out within `write_timeout_s`: a client
+    that stops reading (its socket buffers full) is cut off, and closing the stream closes
+    the session on every hop (review finding 9)."""
+
+    def __init__(self, content: AsyncIterator[str], write_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            log.warning(
+                "a client read nothing for %.0f s: its stream is ended", self.write_timeout_s
+            )
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 async def _respond(
-    events: AsyncGenerator[Event], request: schemas.Sampling, render: Render, kind: str
+    events: AsyncGenerator[Event],
+    request: schemas.Sampling,
+    render: Render,
+    kind: str,
+    write_timeout_s: float,
 ) -> Response:
     try:
         first = await anext(events)  # errors before the first token become HTTP errors
@@ -202,7 +230,7 @@ async def _respond(
         raise
     if request.stream:
         sse = _sse(first, events, render, request.include_usage())
-        return StreamingResponse(sse, media_type="text/event-stream")
+        return DeadlineStream(sse, write_timeout_s, media_type="text/event-stream")
     text, end = await _collect(first, events)
     body = render(text, end, False) | {"object": kind}
     choice = body["choices"][0]

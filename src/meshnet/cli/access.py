@@ -59,6 +59,18 @@ def add_access_flags(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-tokens-limit", type=int, default=default.max_tokens)
     limits.add_argument("--max-concurrent", type=int, default=default.max_concurrent_per_client)
     limits.add_argument(
+        "--max-generations",
+        type=int,
+        default=default.max_generations,
+        help="generations in flight from all clients together",
+    )
+    limits.add_argument(
+        "--write-timeout",
+        type=float,
+        default=default.write_timeout_s,
+        help="seconds a streamed answer may wait for a client that stopped reading",
+    )
+    limits.add_argument(
         "--rate-limit",
         type=float,
         default=default.requests_per_minute,
@@ -81,5 +93,7 @@ def api_limits(args: argparse.Namespace) -> ApiLimits:
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens_limit,
         max_concurrent_per_client=args.max_concurrent,
+        max_generations=args.max_generations,
+        write_timeout_s=args.write_timeout,
         requests_per_minute=args.rate_limit,
     )

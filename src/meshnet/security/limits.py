@@ -66,7 +66,16 @@ class ClientLimiter:
             )
 
     def acquire(self, client: str) -> None:
-        """Start one generation for `client`; `LimitError` (429) over the concurrency limit."""
+        """Start one generation for `client`; `LimitError` (429) over its concurrency limit
+        or over the server's generations in flight (all clients together)."""
+        total = sum(self.in_flight.values())
+        if total >= self.limits.max_generations:
+            self.refused["concurrency"] += 1
+            raise LimitError(
+                f"this server has {total} generations in flight (limit "
+                f"{self.limits.max_generations}); retry shortly",
+                retry_after_s=1.0,
+            )
         count = self.in_flight.get(client, 0)
         if count >= self.limits.max_concurrent_per_client:
             self.refused["concurrency"] += 1
