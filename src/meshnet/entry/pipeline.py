@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +22,11 @@ import torch
 
 from meshnet.config import RetryPolicy, WireConfig
 from meshnet.entry.failover import failover
+from meshnet.entry.latency import HopLatencies
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
-from meshnet.errors import HopError
+from meshnet.errors import HopError, RouteError
 from meshnet.node.executor import Executor
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
@@ -135,6 +137,7 @@ class Pipeline:
         self.metrics = metrics or Metrics()
         # re-runs a sample of hop answers on other copies; its bans keep nodes out of routes
         self.checker = spot_checker or SpotChecker(0.0, random.Random(0), Bans(ban_s=0.0))
+        self.latencies = HopLatencies()  # decode frames timed per hop: slow ones avoided
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
@@ -143,16 +146,23 @@ class Pipeline:
         self.executor.admit_session(session)
         start = self.local.span.end
         try:
-            banned = self.checker.bans.active()
-            hops = (
-                await self.routes.route(self.model, start, exclude=banned)
-                if start < self.num_layers
-                else []
-            )
+            hops = await self._route(start) if start < self.num_layers else []
         except BaseException:
             self.executor.admitted(session)
             raise
         return PipelineSession(session, hops)
+
+    async def _route(self, start: int) -> list[Hop]:
+        """A route from `start` without banned nodes, and without slow ones when there is
+        one without them."""
+        banned = self.checker.bans.active()
+        slow = self.latencies.slow() - banned
+        if slow:
+            try:
+                return await self.routes.route(self.model, start, exclude=banned | slow)
+            except RouteError:
+                log.info("no route around the slow hops %s: taking them", sorted(slow))
+        return await self.routes.route(self.model, start, exclude=banned)
 
     async def feed(self, session: PipelineSession, ids: list[int], pick: Pick[T]) -> T:
         """Run `ids` after the session's tokens; `pick` (a sampler) of the float32 logits [V]
@@ -258,7 +268,10 @@ class Pipeline:
             try:
                 if hop.node_id in self.checker.bans.active():
                     raise banned(hop)
+                started = time.perf_counter()
                 out = await self.transport.forward(hop, meta, hidden)
+                if hidden.shape[1] == 1:  # decode frames compare; prefill chunks vary
+                    self.latencies.record(hop, time.perf_counter() - started)
             except HopError as exc:  # whatever it was, another copy of the span may take it
                 await failover(self, session, k, exc)
                 self.metrics.failovers.inc()
