@@ -116,6 +116,43 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def probe_bomb(megabytes: int) -> tuple[str, float]:
+    """The real registration prober (in this process) against a server answering a gzip
+    bomb of `megabytes` inflated: how it failed, and this process's RSS growth in MiB."""
+    import asyncio
+    import gzip
+    import os
+    import threading
+
+    from meshnet.security.signing import Signer
+    from meshnet.tracker.probe import HttpProber, ProbeError
+
+    bomb = gzip.compress(b" " * (megabytes << 20), compresslevel=9)
+    head = f"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: {len(bomb)}\r\n"
+    reply = (head + "Content-Type: application/json\r\n\r\n").encode() + bomb
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            with contextlib.suppress(OSError):
+                conn.sendall(reply)
+
+    threading.Thread(target=answer, daemon=True).start()
+    with contextlib.suppress(ProbeError):  # warm-up: imports, TLS defaults, the event loop
+        asyncio.run(HttpProber(Signer(KEY), timeout_s=0.5).probe("n1", "http://127.0.0.1:9"))
+    before = rss_mib(os.getpid())
+    address = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        asyncio.run(HttpProber(Signer(KEY), timeout_s=3.0).probe("n1", address))
+        outcome = "accepted (!)"
+    except ProbeError as exc:
+        outcome = f"{type(exc).__name__} ({exc.field})"
+    server.close()
+    return outcome, rss_mib(os.getpid()) - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the quick probes only")
@@ -157,11 +194,18 @@ def main() -> None:
     finally:
         node.terminate()
         node.wait(10)
+    outcome, grown_probe = probe_bomb(20 if args.tiny else 200)
+    size = "20 MB" if args.tiny else "200 MB"
+    rows.append(
+        (f"probe answered by a {size} gzip bomb", outcome, f"{grown_probe:.1f}", "probe RSS")
+    )
     print("| attack | answer | figure | unit |")
     print("|---|---|---:|---|")
     for name, status, figure, unit in rows:
         if unit == "RSS growth":
             figure, unit = f"{grown:.1f}", "MiB of RSS growth"
+        if unit == "probe RSS":
+            unit = "MiB of the prober's RSS growth"
         print(
             f"| {name} | {status} | {figure:,} | {unit} |"
             if isinstance(figure, int)

@@ -108,6 +108,8 @@ def test_attack_benchmark_prints_what_each_probe_got() -> None:
     assert rows["48 MiB POST with an hour-old proof"] == ("HTTP/1.1 401 Unauthorized", "0")
     assert rows["8 MiB of headers"][0].startswith("HTTP/1.1 431")
     assert float(rows["100 unsigned 48 MiB POSTs at once"][1]) < 100  # MiB: nothing buffered
+    bomb = rows["probe answered by a 20 MB gzip bomb"]
+    assert bomb[0] == "ProbeError (address)" and float(bomb[1]) < 15  # never inflated
 
 
 @pytest.mark.slow

@@ -18,6 +18,9 @@ class WireLimits:
 
     max_body_bytes: int = 64 * MiB  # the HTTP body as sent (compressed or not); 413 above it
     max_tensor_bytes: int = 64 * MiB  # the decoded bf16 tensor; a 2048x16384 chunk is 64 MiB
+    # batch x tokens of one frame: entries send [1, <=128, H] chunks; bytes alone let a small
+    # model's frame carry [7, 8192, H] into one pass (review finding 10)
+    max_frame_tokens: int = 2048
 
 
 @dataclass(frozen=True)

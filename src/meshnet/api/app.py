@@ -122,8 +122,8 @@ def api_router(
         check_chars(sum(len(m["content"]) for m in messages), limits, "messages")
         prompt = await asyncio.to_thread(generator.codec.chat, messages)  # off the loop
         check_prompt(prompt, limits, "messages")
+        room = check_room(prompt, generator.max_context, "messages")
         # a request that names no length gets the default, never more than the limit allows
-        room = generator.max_context - len(prompt)
         params = request.params(min(default_max_tokens, limits.max_tokens, room))
         check_max_tokens(params, limits, request.max_tokens_field())
         events = _limited(generator.stream(prompt, params), limiter, client)
@@ -140,6 +140,7 @@ def api_router(
         check_chars(len(request.text()), limits, "prompt")
         prompt = await asyncio.to_thread(generator.codec.encode, request.text())
         check_prompt(prompt, limits, "prompt")
+        check_room(prompt, generator.max_context, "prompt")
         check_max_tokens(request.params(), limits, "max_tokens")
         events = _limited(generator.stream(prompt, request.params()), limiter, client)
         render = _text_renderer(request.model)
@@ -170,6 +171,20 @@ def check_prompt(prompt: list[int], limits: ApiLimits, field: str) -> None:
             f"{limits.max_prompt_tokens}",
             field=field,
         )
+
+
+def check_room(prompt: list[int], max_context: int, field: str) -> int:
+    """Tokens left after the prompt in the model's context; 400 naming `field` when none are
+    (review finding 10: the default length went to 0 or below, and the refusal came from a
+    hop, naming X-Meshnet-Position)."""
+    room = max_context - len(prompt)
+    if room < 1:
+        raise RequestError(
+            f"the prompt is {len(prompt)} tokens; the model's context of {max_context} "
+            "leaves no room for an answer",
+            field=field,
+        )
+    return room
 
 
 def check_max_tokens(params: GenerationParams, limits: ApiLimits, field: str) -> None:

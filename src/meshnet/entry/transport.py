@@ -165,7 +165,7 @@ def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
     """A `HopError` carrying the remote node's own error message when it sent one."""
     try:
         error = json.loads(body)["error"]
-        message, field = str(error["message"]), error.get("field")
+        message, field = str(error["message"])[:300], error.get("field")  # the hop's words
     except (ValueError, KeyError, TypeError, AttributeError):
         message, field = body[:200].decode("utf-8", "replace"), None
     failure = HopError(f"hop {hop} answered {status}: {message}", status=status, hop=hop)

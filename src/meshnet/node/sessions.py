@@ -86,14 +86,17 @@ class SessionStore:
         max_bytes: int = 1 << 30,
         evict_idle_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        bytes_per_token: int = 0,
     ) -> None:
+        """`bytes_per_token`: what a token's cache is expected to cost before any is measured
+        (0 left the first session's reservation unchecked: review finding 10)."""
         self.new_cache = new_cache
         self.measure = measure  # bytes held by a cache
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.clock = clock
         self.evict_idle_s = evict_idle_s  # a session idle this long may be evicted for room
-        self.bytes_per_token = 0  # learned from the caches measured so far
+        self.bytes_per_token = bytes_per_token  # then learned from the caches measured
         self.refused = 0  # calls refused because the cache was full
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 

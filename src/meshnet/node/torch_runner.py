@@ -19,6 +19,14 @@ from meshnet.wire import headers as h
 Ready = tuple[int, FrameMeta, Session, ChunkState]  # a checked-out frame of a batch
 
 
+def expected_cache_bytes(shard: Shard) -> int:
+    """KV-cache bytes a token costs across the shard's layers, from its config (keys and
+    values at the compute dtype)."""
+    spec = shard.arch.spec_from_config(shard.config.to_dict())
+    dtype_bytes = torch.empty(0, dtype=shard.compute_dtype).element_size()
+    return len(shard.layers) * spec.kv_bytes_per_token(dtype_bytes)
+
+
 class TorchShardRunner:
     """Runs a real shard; a refused or failed call leaves the session's cache as it was."""
 
@@ -40,6 +48,7 @@ class TorchShardRunner:
             ttl_s=ttl_s,
             max_bytes=max_cache_bytes,
             evict_idle_s=evict_idle_s,
+            bytes_per_token=expected_cache_bytes(shard),
         )
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,12 @@ def decode(
             f"{limits.max_tensor_bytes}",
             field=h.SHAPE,
         )
+    if shape[0] * shape[1] > limits.max_frame_tokens:
+        raise PayloadTooLargeError(
+            f"declared shape {shape} carries {shape[0] * shape[1]} tokens, over the limit of "
+            f"{limits.max_frame_tokens} a frame",
+            field=h.SHAPE,
+        )
     meta = h.parse_meta(lower)
     encoding = lower.get(h.ENCODING.lower(), compression.NONE).strip()
     raw = compression.decompress(body, encoding, expected)
