@@ -124,3 +124,12 @@ def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
         if len(r) == 6 and r[1].strip() == "1.0" and r[2].strip() in ("True", "False")
     ]
     assert len(liar) == 1 and liar[0][2].strip() == "True" and liar[0][3].strip() == "none"
+
+
+@pytest.mark.slow
+def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
+    """Real processes behind delaying proxies: 0 ms and 5 ms rows, each with its bounds."""
+    rows = [line.split("|") for line in run_tiny("wan.py").splitlines() if " ms | " in line]
+    assert [r[1].strip() for r in rows] == ["0 ms", "5 ms"]
+    for row in rows:
+        assert float(row[3]) > 0 and float(row[4]) >= float(row[5]) > 0  # today >= push

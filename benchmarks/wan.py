@@ -1,0 +1,237 @@
+"""The mesh over slow links: each remote node behind a delaying, rate-limiting TCP proxy.
+
+    python benchmarks/wan.py          # {0, 5, 25, 50} ms x {unlimited, 100 Mbit/s}, int8
+    python benchmarks/wan.py --tiny   # 5 ms, unlimited, a 16-token prompt (what tests run)
+
+A tracker-as-entry-node (layers 0:10) and two nodes (10:20, 20:30), real processes. Each
+node registers `--public-address` pointing at its own proxy, so every frame the entry sends
+it crosses one emulated link (there is no `tc netem` here): the proxy holds every byte
+`delay` ms in each direction and paces it at the link rate. Decode tokens/s is
+(t(N+1) - t(1)) / N for the same prompt; TTFT is a request with `max_tokens=1`.
+
+The physical bound of today's design: per token, every remote hop is a round trip from the
+entry (2 x hops legs of `delay`), plus the frame's serialization at the link rate, plus the
+compute measured at 0 ms. Per prompt: each 128-token chunk crosses every hop in turn. The
+"push" bound is what issue #21's server-to-server push would allow (hops + 1 legs per
+token; chunks + hops - 1 chunk-times per prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from meshnet.models.loader import load_tokenizer
+from meshnet.models.source import resolve
+from pipeline import free_port, prompts_for, wait_routable
+
+HIDDEN_BYTES = 576 * 2  # one token's activations on the wire (bf16)
+FRAME_OVERHEAD = 600  # request line and headers, each way (measured: ~550 bytes)
+CHUNK = 128  # prefill tokens a frame
+
+
+@dataclass
+class Link:
+    """One emulated link: one-way delay and rate, changeable while it carries traffic."""
+
+    delay_s: float = 0.0
+    rate_bps: float | None = None  # bits per second; None = unlimited
+
+
+class LinkProxy:
+    """A TCP proxy on 127.0.0.1 that delays and paces bytes both ways (its own thread)."""
+
+    def __init__(self, upstream_port: int, link: Link) -> None:
+        self.upstream_port = upstream_port
+        self.link = link
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        threading.Thread(target=self._run, args=(started,), daemon=True).start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            asyncio.start_server(self._connect, "127.0.0.1", self.port)
+        )
+        started.set()
+        self.loop.run_forever()
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Bytes from `reader` reach `writer` `delay` later, no faster than the rate."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        sender = asyncio.create_task(self._send(queue, writer))
+        free_at = 0.0  # when the link finishes serializing what it was given so far
+        try:
+            while data := await reader.read(65536):
+                now = time.monotonic()
+                rate = self.link.rate_bps
+                free_at = max(free_at, now) + (len(data) * 8 / rate if rate else 0.0)
+                queue.put_nowait((free_at + self.link.delay_s, data))
+        except OSError:
+            pass
+        queue.put_nowait((0.0, b""))  # end of stream
+        await sender
+
+    async def _send(
+        self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
+    ) -> None:
+        while True:
+            due, data = await queue.get()
+            if not data:
+                break
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            try:
+                writer.write(data)
+                await writer.drain()
+            except OSError:
+                break
+        writer.close()
+
+
+@contextmanager
+def mesh(logs: Path, quant: str, link: Link) -> Iterator[str]:
+    """Tracker-as-entry 0:10 here, nodes 10:20 and 20:30 behind proxies on `link`."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "MESHNET_SWARM_KEY": secrets.token_hex(32)}
+    common = ["--quant", quant, "--spot-check-rate", "0"]
+    commands = [["tracker", "--port", str(port), "--layers", "0:10", *common]]
+    commands[0] += ["--data-dir", str(logs / "tracker")]
+    for i, span in enumerate(["10:20", "20:30"]):
+        node_port = free_port()
+        proxy = LinkProxy(node_port, link)
+        commands.append(
+            ["node", "--tracker", url, "--port", str(node_port), "--layers", span, *common]
+            + ["--no-entry", "--public-address", f"http://127.0.0.1:{proxy.port}"]
+            + ["--data-dir", str(logs / f"node{i}")]
+        )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", *c],
+            stdout=(logs / f"{i}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for i, c in enumerate(commands)
+    ]
+    try:
+        wait_routable(url, 3)
+        yield url
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def timed(client: httpx.Client, text: str, tokens: int) -> float:
+    body = {"model": "default", "prompt": text, "max_tokens": tokens, "temperature": 0}
+    start = time.perf_counter()
+    answer = client.post("/v1/completions", json=body).json()
+    took = time.perf_counter() - start
+    if answer["usage"]["completion_tokens"] != tokens or len(answer["meshnet"]["route"]) != 3:
+        raise RuntimeError(f"unexpected answer: {answer['usage']}, {answer['meshnet']['route']}")
+    return took
+
+
+def measure(url: str, prompts: dict[int, str], tokens: int, repeats: int) -> dict[str, float]:
+    with httpx.Client(base_url=url, timeout=600) as client:
+        timed(client, prompts[16], 2)  # warm-up
+        row = {
+            f"ttft_{n}": statistics.median(timed(client, t, 1) for _ in range(repeats))
+            for n, t in prompts.items()
+        }
+        longer = statistics.median(timed(client, prompts[16], tokens + 1) for _ in range(repeats))
+    row["decode_ms"] = 1000 * (longer - row["ttft_16"]) / tokens
+    return row
+
+
+def serialization_s(payload_bytes: int, rate_bps: float | None) -> float:
+    return (payload_bytes + FRAME_OVERHEAD) * 8 / rate_bps if rate_bps else 0.0
+
+
+def bounds(link: Link, base: dict[str, float], n: int) -> dict[str, float]:
+    """Physical bounds (ms) for today's design and for push, from the 0 ms row's compute."""
+    d_ms, hops = 1000 * link.delay_s, 2
+    step_ms = 1000 * serialization_s(HIDDEN_BYTES, link.rate_bps)
+    chunks = -(-n // CHUNK)
+    chunk_ms = 1000 * serialization_s(min(n, CHUNK) * HIDDEN_BYTES, link.rate_bps)
+    return {
+        "decode_today": 2 * hops * (d_ms + step_ms) + base["decode_ms"],
+        "decode_push": (hops + 1) * (d_ms + step_ms) + base["decode_ms"],
+        f"ttft_{n}_today": 1000 * base[f"ttft_{n}"] + chunks * 2 * hops * (d_ms + chunk_ms),
+        f"ttft_{n}_push": 1000 * base[f"ttft_{n}"] + (chunks + hops) * (d_ms + chunk_ms),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant", default="int8")
+    args = parser.parse_args()
+    tiny = args.tiny
+    lengths = [16] if tiny else [16, 512, 2048]
+    tokens, repeats = (4, 1) if tiny else (args.tokens, args.repeats)
+    delays = [0.0, 5.0] if tiny else [0.0, 5.0, 25.0, 50.0]
+    rates: list[float | None] = [None] if tiny else [None, 100e6]
+    prompts = prompts_for(load_tokenizer(resolve("default")), lengths)
+    link = Link()
+    heads = " | ".join(f"TTFT {n} ms (bound today / push)" for n in lengths)
+    print(f"| one-way delay | link | decode ms/token | bound today | push bound | {heads} |")
+    print("|---:|---|---:|---:|---:|" + "---:|" * len(lengths))
+    with (
+        tempfile.TemporaryDirectory(prefix="meshnet-wan-") as logs,
+        mesh(Path(logs), "fp32" if tiny else args.quant, link) as url,
+    ):
+        base: dict[str, float] = {}
+        for rate in rates:
+            for delay in delays:
+                link.delay_s, link.rate_bps = delay / 1000, rate
+                row = measure(url, prompts, tokens, repeats)
+                if delay == 0 and rate is None:
+                    base = row
+                print(line(link, row, base, lengths))
+
+
+def line(link: Link, row: dict[str, float], base: dict[str, float], lengths: list[int]) -> str:
+    rate = f"{link.rate_bps / 1e6:.0f} Mbit/s" if link.rate_bps else "unlimited"
+    b = {k: v for n in lengths for k, v in bounds(link, base, n).items()}
+    ttfts = " | ".join(
+        f"{1000 * row[f'ttft_{n}']:.0f} ({b[f'ttft_{n}_today']:.0f} / {b[f'ttft_{n}_push']:.0f})"
+        for n in lengths
+    )
+    return (
+        f"| {1000 * link.delay_s:.0f} ms | {rate} | {row['decode_ms']:.1f} "
+        f"| {b['decode_today']:.1f} | {b['decode_push']:.1f} | {ttfts} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
