@@ -11,11 +11,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnet.assemble.http import ServerLimits, server_config
 from meshnet.config import AccessConfig
 from meshnet.node.app import create_app
 from meshnet.node.runner import EchoRunner
@@ -23,27 +21,15 @@ from meshnet.security.signing import Signer
 from meshnet.tracker.probe import HttpProber, ProbeError
 from meshnet.types import LayerSpan, ModelId
 from tests.conftest import run
-from tests.e2e.procs import free_port
 from tests.fuzz.harness import KEY, record, report
-
-
-def serve(app: object, limits: ServerLimits) -> tuple[uvicorn.Server, threading.Thread, int]:
-    port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, limits))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, port
+from tests.security.test_server import serving
 
 
 @pytest.fixture(scope="module")
 def node_port() -> Iterator[int]:
     app = create_app(EchoRunner(ModelId("m"), LayerSpan(0, 2)), access=AccessConfig(KEY))
-    server, thread, port = serve(app, ServerLimits(header_timeout_s=1.0))
-    yield port
-    server.should_exit = True
-    thread.join(5)
+    with serving(app) as port:  # our server settings, with short limits
+        yield port
 
 
 def exchange(port: int, data: bytes, wait_s: float = 0.3) -> bytes:
