@@ -159,6 +159,25 @@ def timed(client: httpx.Client, text: str, tokens: int) -> float:
     return took
 
 
+def bytes_sent(client: httpx.Client) -> float:
+    """Activation bytes the entry has sent to its hops so far (`/metrics`, all encodings)."""
+    lines = client.get("/metrics").text.splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("meshnet_bytes_sent_total"))
+
+
+def traffic(url: str, prompts: dict[int, str], tokens: int) -> tuple[float, float]:
+    """Bytes the entry sends per decode token, and per prompt of the longest length."""
+    with httpx.Client(base_url=url, timeout=600) as client:
+        start = bytes_sent(client)
+        timed(client, prompts[max(prompts)], 1)
+        long_done = bytes_sent(client)
+        timed(client, prompts[16], 1)
+        short_done = bytes_sent(client)
+        timed(client, prompts[16], tokens + 1)
+        decoded = bytes_sent(client) - short_done - (short_done - long_done)  # less its prompt
+    return decoded / tokens, long_done - start
+
+
 def measure(url: str, prompts: dict[int, str], tokens: int, repeats: int) -> dict[str, float]:
     with httpx.Client(base_url=url, timeout=600) as client:
         timed(client, prompts[16], 2)  # warm-up
@@ -218,6 +237,11 @@ def main() -> None:
                 if delay == 0 and rate is None:
                     base = row
                 print(line(link, row, base, lengths))
+        per_token, per_prompt = traffic(url, prompts, tokens)
+    print(
+        f"\nactivation bytes the entry sends to its hops: {per_token:,.0f} a decode token, "
+        f"{per_prompt:,.0f} for a {max(lengths)}-token prompt (encoding auto)"
+    )
 
 
 def line(link: Link, row: dict[str, float], base: dict[str, float], lengths: list[int]) -> str:
