@@ -98,19 +98,29 @@ def mesh(hops: int, logs: Path, meanwhile: Callable[[], None]) -> Iterator[str]:
         commands[-1] += ["--budget", str(budget), "--data-dir", str(logs / f"n{hops}-{i}")]
     commands[0] += ["--data-dir", str(logs / f"t{hops}")]
     key = secrets.token_hex(32)  # members sign every call, as in a real mesh
+    commands = [[*c, "--quant", "fp32"] for c in commands]
+    with running(commands, logs, f"{hops}-", {"MESHNET_SWARM_KEY": key}):
+        meanwhile()
+        wait_routable(url, hops)
+        yield url
+
+
+@contextmanager
+def running(
+    commands: list[list[str]], logs: Path, prefix: str, env: dict[str, str]
+) -> Iterator[None]:
+    """`meshnet` processes, one per command (logs in `logs`), SIGTERMed on the way out."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli", *c, "--quant", "fp32"],
-            stdout=(logs / f"{hops}-{i}.log").open("wb"),
+            [sys.executable, "-m", "meshnet.cli", *c],
+            stdout=(logs / f"{prefix}{i}.log").open("wb"),
             stderr=subprocess.STDOUT,
-            env={**os.environ, "MESHNET_SWARM_KEY": key},
+            env={**os.environ, **env},
         )
         for i, c in enumerate(commands)
     ]
     try:
-        meanwhile()
-        wait_routable(url, hops)
-        yield url
+        yield
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

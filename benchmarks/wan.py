@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import secrets
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +34,7 @@ import httpx
 
 from meshnet.models.loader import load_tokenizer
 from meshnet.models.source import resolve
-from pipeline import free_port, prompts_for, wait_routable
+from pipeline import free_port, prompts_for, running, wait_routable
 
 HIDDEN_BYTES = 576 * 2  # one token's activations on the wire (bf16)
 FRAME_OVERHEAD = 600  # request line and headers, each way (measured: ~550 bytes)
@@ -118,7 +114,7 @@ def mesh(logs: Path, quant: str, link: Link) -> Iterator[str]:
     """Tracker-as-entry 0:10 here, nodes 10:20 and 20:30 behind proxies on `link`."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "MESHNET_SWARM_KEY": secrets.token_hex(32)}
+    env = {"MESHNET_SWARM_KEY": secrets.token_hex(32)}
     common = ["--quant", quant, "--spot-check-rate", "0"]
     commands = [["tracker", "--port", str(port), "--layers", "0:10", *common]]
     commands[0] += ["--data-dir", str(logs / "tracker")]
@@ -130,23 +126,9 @@ def mesh(logs: Path, quant: str, link: Link) -> Iterator[str]:
             + ["--no-entry", "--public-address", f"http://127.0.0.1:{proxy.port}"]
             + ["--data-dir", str(logs / f"node{i}")]
         )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli", *c],
-            stdout=(logs / f"{i}.log").open("wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for i, c in enumerate(commands)
-    ]
-    try:
+    with running(commands, logs, "", env):
         wait_routable(url, 3)
         yield url
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=30)
 
 
 def timed(client: httpx.Client, text: str, tokens: int) -> float:

@@ -266,7 +266,7 @@ class Pipeline:
             index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
             meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
             try:
-                if hop.node_id in self.checker.bans.active():
+                if self.checker.bans.has(hop.node_id):
                     raise banned(hop)
                 started = time.perf_counter()
                 out = await self.transport.forward(hop, meta, hidden)

@@ -88,6 +88,10 @@ class Bans:
     def ban(self, node: NodeId) -> None:
         self.until[node] = self.clock() + self.ban_s
 
+    def has(self, node: NodeId) -> bool:
+        """`node` is banned now (cheap: asked for every hop of every frame)."""
+        return self.until.get(node, -1.0) > self.clock()
+
     def active(self) -> frozenset[NodeId]:
         now = self.clock()
         self.until = {n: t for n, t in self.until.items() if t > now}
