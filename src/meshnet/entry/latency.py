@@ -33,17 +33,16 @@ def slow_nodes(
 ) -> frozenset[NodeId]:
     """Nodes whose decode frames take over `factor` x the median of their span's other
     measured nodes (and over `floor_s`: loopback jitter is not slowness). Pure."""
-    slow = set()
+    by_span: dict[LayerSpan, list[tuple[NodeId, Seen]]] = {}
     for (node, span), mine in seen.items():
-        others = [
-            s.mean_s
-            for (n, sp), s in seen.items()
-            if sp == span and n != node and s.samples >= min_samples
-        ]
-        if mine.samples < min_samples or not others:
-            continue
-        if mine.mean_s > max(floor_s, factor * statistics.median(others)):
-            slow.add(node)
+        by_span.setdefault(span, []).append((node, mine))
+    slow = set()
+    for nodes in by_span.values():  # grouped first: linear in the nodes measured
+        enough = [(n, s) for n, s in nodes if s.samples >= min_samples]
+        for node, mine in enough:
+            others = [s.mean_s for n, s in enough if n != node]
+            if others and mine.mean_s > max(floor_s, factor * statistics.median(others)):
+                slow.add(node)
     return frozenset(slow)
 
 
