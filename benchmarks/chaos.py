@@ -3,6 +3,7 @@
     python benchmarks/chaos.py            # 20 generations (the figure in docs/reliability.md)
     python benchmarks/chaos.py --tiny     # 2 generations
     python benchmarks/chaos.py --runs 50
+    python benchmarks/chaos.py --push     # through an entry whose hops push (ADR-0034)
 
 The mesh is `tests/e2e/mesh.py`'s: a tracker-as-entry-node (0:10) and four nodes, every span
 after the entry's with two copies, all fp32, as separate processes on loopback. Each run
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.e2e.mesh import Mesh  # noqa: E402
+from tests.e2e.mesh import API_KEY, Mesh  # noqa: E402
 from tests.e2e.procs import wait_for  # noqa: E402
 from tests.e2e.streams import TOKENS, busy_spare, chat, spare, stream  # noqa: E402
 
@@ -57,10 +58,14 @@ def kill_a_hop(mesh: Mesh, rng: random.Random) -> str:
     return victim
 
 
-def chaos(mesh: Mesh, runs: int, seed: int = 7) -> ChaosResult:
-    """`runs` generations, each with one hop SIGKILLed at a random token."""
+def chaos(mesh: Mesh, runs: int, seed: int = 7, push: bool = False) -> ChaosResult:
+    """`runs` generations, each with one hop SIGKILLed at a random token; with `push`,
+    through the mesh's second entry, whose hops push (ADR-0034), else the tracker's."""
     rng, result = random.Random(seed), ChaosResult()
-    expected = {p: stream(mesh.url, chat(p)).text for p in PROMPTS}
+    url, headers = (
+        (mesh.entry, {"Authorization": f"Bearer {API_KEY}"}) if push else (mesh.url, None)
+    )
+    expected = {p: stream(url, chat(p), headers=headers).text for p in PROMPTS}
     for i in range(runs):
         # a route has a hop on each span; one of them needs a spare copy for the kill
         wait_for(lambda: bool(spare(mesh)), 60, "a spare copy of a span")
@@ -70,7 +75,7 @@ def chaos(mesh: Mesh, runs: int, seed: int = 7) -> ChaosResult:
             if n == at:
                 killed.append(kill_a_hop(mesh, rng))
 
-        answer = stream(mesh.url, chat(prompt), on_token)
+        answer = stream(url, chat(prompt), on_token, headers)
         result.runs += 1
         result.lost += answer.text != expected[prompt]
         result.unkilled += not killed
@@ -105,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="2 runs")
+    parser.add_argument("--push", action="store_true", help="through the entry whose hops push")
     args = parser.parse_args()
     runs = 2 if args.tiny else args.runs
     mesh = Mesh(Path(tempfile.mkdtemp(prefix="meshnet-chaos-")))
@@ -112,7 +118,7 @@ def main() -> None:
         mesh.start_all()
         mesh.start_nodes()
         mesh.wait_whole(300)
-        result = chaos(mesh, runs)
+        result = chaos(mesh, runs, push=args.push)
     finally:
         mesh.stop_all()
     print(table(result))

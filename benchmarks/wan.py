@@ -3,17 +3,21 @@
     python benchmarks/wan.py          # {0, 5, 25, 50} ms x {unlimited, 100 Mbit/s}, int8
     python benchmarks/wan.py --tiny   # 5 ms, unlimited, a 16-token prompt (what tests run)
 
-A tracker-as-entry-node (layers 0:10) and two nodes (10:20, 20:30), real processes. Each
+A tracker-as-entry-node (layers 0:10), two nodes (10:20, 20:30) and a second entry (0:10),
+real processes. Each
 node registers `--public-address` pointing at its own proxy, so every frame the entry sends
 it crosses one emulated link (there is no `tc netem` here): the proxy holds every byte
 `delay` ms in each direction and paces it at the link rate. Decode tokens/s is
 (t(N+1) - t(1)) / N for the same prompt; TTFT is a request with `max_tokens=1`.
 
-The physical bound of today's design: per token, every remote hop is a round trip from the
-entry (2 x hops legs of `delay`), plus the frame's serialization at the link rate, plus the
-compute measured at 0 ms. Per prompt: each 128-token chunk crosses every hop in turn. The
-"push" bound is what issue #21's server-to-server push would allow (hops + 1 legs per
-token; chunks + hops - 1 chunk-times per prompt).
+Two entries share the nodes: the tracker relays (`--no-push`: the entry sends every frame
+to every hop and gets its answer back), a `node --entry --push` pushes (ADR-0034: each hop
+sends on to the next, the last to the entry); their requests alternate, so the two modes
+are measured side by side on the same machine state. The relay bound: per token, every
+remote hop is a round trip from the entry (2 x hops legs of `delay`), plus the frame's
+serialization at the link rate, plus the compute measured at 0 ms (that mode's first row);
+per prompt, each 128-token chunk crosses every hop in turn. The push bound: hops + 1 legs
+per token; chunks + hops - 1 chunk-times per prompt when chunks are pipelined.
 """
 
 from __future__ import annotations
@@ -110,13 +114,16 @@ class LinkProxy:
 
 
 @contextmanager
-def mesh(logs: Path, quant: str, link: Link) -> Iterator[str]:
-    """Tracker-as-entry 0:10 here, nodes 10:20 and 20:30 behind proxies on `link`."""
-    port = free_port()
+def mesh(logs: Path, quant: str, link: Link) -> Iterator[dict[str, str]]:
+    """Two entries of layers 0:10 over the same nodes 10:20 and 20:30: the tracker relays,
+    a `node --entry --push` pushes. Every process is reached by its peers through its own
+    proxy on `link` (an entry too: the last hop's pushed answer crosses a link), while
+    clients and heartbeats reach the tracker directly. The entries' URLs by mode."""
+    port, push_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MESHNET_SWARM_KEY": secrets.token_hex(32)}
     common = ["--quant", quant, "--spot-check-rate", "0"]
-    commands = [["tracker", "--port", str(port), "--layers", "0:10", *common]]
+    commands = [["tracker", "--port", str(port), "--layers", "0:10", *common, "--no-push"]]
     commands[0] += ["--data-dir", str(logs / "tracker")]
     for i, span in enumerate(["10:20", "20:30"]):
         node_port = free_port()
@@ -126,9 +133,33 @@ def mesh(logs: Path, quant: str, link: Link) -> Iterator[str]:
             + ["--no-entry", "--public-address", f"http://127.0.0.1:{proxy.port}"]
             + ["--data-dir", str(logs / f"node{i}")]
         )
+    push_proxy = LinkProxy(push_port, link)
+    commands.append(
+        ["node", "--tracker", url, "--port", str(push_port), "--layers", "0:10", *common]
+        + ["--entry", "--push", "--public-address", f"http://127.0.0.1:{push_proxy.port}"]
+        + ["--data-dir", str(logs / "push-entry")]
+    )
     with running(commands, logs, "", env):
         wait_routable(url, 3)
-        yield url
+        push_url = f"http://127.0.0.1:{push_port}"
+        wait_routable(url, 3)
+        with httpx.Client(base_url=push_url, timeout=600) as client:
+            wait_answers(client)
+        yield {"relay": url, "push": push_url}
+
+
+def wait_answers(client: httpx.Client, timeout_s: float = 120.0) -> None:
+    """Until the entry answers a completion (it has loaded its span and found a route)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            body = {"model": "default", "prompt": "Hi", "max_tokens": 1}
+            if client.post("/v1/completions", json=body).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the pushing entry never answered")
 
 
 def timed(client: httpx.Client, text: str, tokens: int) -> float:
@@ -160,16 +191,28 @@ def traffic(url: str, prompts: dict[int, str], tokens: int) -> tuple[float, floa
     return decoded / tokens, long_done - start
 
 
-def measure(url: str, prompts: dict[int, str], tokens: int, repeats: int) -> dict[str, float]:
-    with httpx.Client(base_url=url, timeout=600) as client:
-        timed(client, prompts[16], 2)  # warm-up
-        row = {
-            f"ttft_{n}": statistics.median(timed(client, t, 1) for _ in range(repeats))
-            for n, t in prompts.items()
-        }
-        longer = statistics.median(timed(client, prompts[16], tokens + 1) for _ in range(repeats))
-    row["decode_ms"] = 1000 * (longer - row["ttft_16"]) / tokens
-    return row
+def measure(
+    urls: dict[str, str], prompts: dict[int, str], tokens: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Per mode, median TTFT per prompt length and decode ms/token; the modes' requests
+    alternate, so both see the same machine."""
+    clients = {mode: httpx.Client(base_url=u, timeout=600) for mode, u in urls.items()}
+    samples: dict[str, dict[str, list[float]]] = {m: {} for m in urls}
+    try:
+        for client in clients.values():
+            timed(client, prompts[16], 2)  # warm-up
+        for _ in range(repeats):
+            for mode, client in clients.items():
+                for n, text in prompts.items():
+                    samples[mode].setdefault(f"ttft_{n}", []).append(timed(client, text, 1))
+                samples[mode].setdefault("long", []).append(timed(client, prompts[16], tokens + 1))
+    finally:
+        for client in clients.values():
+            client.close()
+    rows = {m: {k: statistics.median(v) for k, v in got.items()} for m, got in samples.items()}
+    for row in rows.values():
+        row["decode_ms"] = 1000 * (row.pop("long") - row["ttft_16"]) / tokens
+    return rows
 
 
 def serialization_s(payload_bytes: int, rate_bps: float | None) -> float:
@@ -196,37 +239,48 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="int8")
+    parser.add_argument("--mode", choices=["relay", "push", "both"], default="both")
+    parser.add_argument("--lengths", default="16,512,2048", help="prompt lengths for TTFT")
+    parser.add_argument("--delays", default="0,5,25,50", help="one-way delays (ms) per link")
+    parser.add_argument("--rates", default="0,100", help="link rates (Mbit/s, 0: unlimited)")
     args = parser.parse_args()
     tiny = args.tiny
-    lengths = [16] if tiny else [16, 512, 2048]
+    lengths = [16] if tiny else [int(n) for n in args.lengths.split(",")]
     tokens, repeats = (4, 1) if tiny else (args.tokens, args.repeats)
-    delays = [0.0, 5.0] if tiny else [0.0, 5.0, 25.0, 50.0]
-    rates: list[float | None] = [None] if tiny else [None, 100e6]
+    delays = [0.0, 5.0] if tiny else [float(d) for d in args.delays.split(",")]
+    rates: list[float | None] = (
+        [None] if tiny else [float(r) * 1e6 if float(r) else None for r in args.rates.split(",")]
+    )
     prompts = prompts_for(load_tokenizer(resolve("default")), lengths)
     link = Link()
-    heads = " | ".join(f"TTFT {n} ms (bound today / push)" for n in lengths)
-    print(f"| one-way delay | link | decode ms/token | bound today | push bound | {heads} |")
-    print("|---:|---|---:|---:|---:|" + "---:|" * len(lengths))
+    heads = " | ".join(f"TTFT {n} ms (bound relay / push)" for n in lengths)
+    print(f"| mode | one-way delay | link | decode ms/token | bound relay | push bound | {heads} |")
+    print("|---|---:|---|---:|---:|---:|" + "---:|" * len(lengths))
     with (
         tempfile.TemporaryDirectory(prefix="meshnet-wan-") as logs,
-        mesh(Path(logs), "fp32" if tiny else args.quant, link) as url,
+        mesh(Path(logs), "fp32" if tiny else args.quant, link) as urls,
     ):
-        base: dict[str, float] = {}
+        urls = {m: u for m, u in urls.items() if args.mode in (m, "both")}
+        base: dict[str, dict[str, float]] = {}
         for rate in rates:
             for delay in delays:
                 link.delay_s, link.rate_bps = delay / 1000, rate
-                row = measure(url, prompts, tokens, repeats)
-                if delay == 0 and rate is None:
-                    base = row
-                print(line(link, row, base, lengths))
-        per_token, per_prompt = traffic(url, prompts, tokens)
-    print(
-        f"\nactivation bytes the entry sends to its hops: {per_token:,.0f} a decode token, "
-        f"{per_prompt:,.0f} for a {max(lengths)}-token prompt (encoding auto)"
-    )
+                rows = measure(urls, prompts, tokens, repeats)
+                base = base or rows  # the first row's compute (0 ms, unlimited)
+                for mode, row in rows.items():
+                    print(line(mode, link, row, base[mode], lengths), flush=True)
+        link.delay_s, link.rate_bps = 0.0, None
+        for mode, url in urls.items():
+            per_token, per_prompt = traffic(url, prompts, tokens)
+            print(
+                f"\n{mode}: activation bytes the entry sends to its hops: {per_token:,.0f} a "
+                f"decode token, {per_prompt:,.0f} for a {max(lengths)}-token prompt"
+            )
 
 
-def line(link: Link, row: dict[str, float], base: dict[str, float], lengths: list[int]) -> str:
+def line(
+    mode: str, link: Link, row: dict[str, float], base: dict[str, float], lengths: list[int]
+) -> str:
     rate = f"{link.rate_bps / 1e6:.0f} Mbit/s" if link.rate_bps else "unlimited"
     b = {k: v for n in lengths for k, v in bounds(link, base, n).items()}
     ttfts = " | ".join(
@@ -234,7 +288,7 @@ def line(link: Link, row: dict[str, float], base: dict[str, float], lengths: lis
         for n in lengths
     )
     return (
-        f"| {1000 * link.delay_s:.0f} ms | {rate} | {row['decode_ms']:.1f} "
+        f"| {mode} | {1000 * link.delay_s:.0f} ms | {rate} | {row['decode_ms']:.1f} "
         f"| {b['decode_today']:.1f} | {b['decode_push']:.1f} | {ttfts} |"
     )
 

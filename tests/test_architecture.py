@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "node": {*BASE, "wire", "http_errors", "observe", "security", "models", "tracker"},
     "entry": {*BASE, "wire", "observe", "security", "models", "text", "node", "tracker"},
     "api": {*BASE, "http_errors", "security", "text"},
-    "assemble": {*BASE, "observe", "security", "models", "api", "entry", "node", "tracker"},
+    "assemble": {*BASE, "wire", "observe", "security", "models", "api", "entry", "node", "tracker"},
     "terminal": set(),
     "status": {"security", "terminal"},
     "demo": {"models", "observe", "security", "terminal"},

@@ -99,6 +99,10 @@ class EntryConfig:
     # whose answer agrees with no other copy stays out of this entry's routes for ban_s
     spot_check_rate: float = 0.01
     spot_check_ban_s: float = 3600.0
+    # hops send each frame on to the next hop themselves, the last one back here: k + 1
+    # legs a token instead of 2k (ADR-0034); needs a swarm key, and is off while spot checks
+    # run (they need every hop's answer)
+    push: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@
     ├── RouteError                  no chain of nodes can serve the request (503)
     │   └── MissingLayersError      some layers of a model have no node (503)
     ├── HopError                    a hop of a route failed or refused a frame (502)
+    ├── PushError                   a pushed frame could not go on past some hop (502)
     ├── UnavailableError            a draining node refuses new sessions (503)
     ├── RequestError                a client request the API cannot take (400)
     │   └── UnknownModelError       the request names a model this entry does not serve (404)
@@ -123,6 +124,28 @@ class HopError(MeshError):
     def busy(self) -> bool:
         """The hop is healthy but at one of its limits: try another copy, report nothing."""
         return self.status == 429
+
+
+class PushError(MeshError):
+    """A hop could not send a pushed frame on (ADR-0034): `failed` names the node that
+    failed or refused it, `status` that node's HTTP status (None when it never answered).
+    Each hop passes such an error back up unchanged, so the entry learns who failed."""
+
+    http_status = 502
+
+    def __init__(self, message: str, *, failed: str, status: int | None) -> None:
+        super().__init__(message, field="X-Meshnet-Route")
+        self.failed = failed
+        self.status = status
+
+    @property
+    def code(self) -> str:
+        return "push_failed"
+
+    def to_json(self) -> dict[str, object]:
+        body = super().to_json()
+        body["error"] |= {"failed": self.failed, "status": self.status}  # type: ignore[operator]
+        return body
 
 
 class ComputeError(MeshError):

@@ -4,7 +4,8 @@ A tracker-as-entry-node (layers 0:10, fp32) and four nodes of ten fp32 layers ea
 planner covers 10:20 and 20:30 first, then adds replicas (the span with the fewest copies
 first), so every span has two copies.
 Every route is three hops, `0:10 -> 10:20 -> 20:30`. Besides, a second entry point started
-with `meshnet node --entry`, whose API needs an API key and which logs JSON lines. Tests that
+with `meshnet node --entry`, whose API needs an API key, which logs JSON lines, and whose
+hops push each frame on to the next (`--push`, ADR-0034). Tests that
 kill nodes restart them and wait for the copies to come back, so later tests find the mesh
 whole.
 
@@ -30,7 +31,7 @@ BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NODES = ("a", "b", "c", "d")
 COPIES = 2  # at least, of each span after the entry's
 API_KEY = "e2e-client-key-0001"  # the `node --entry` process's API key
-HOP_TIMEOUT_S = 4.0  # the tracker-as-entry gives up on a hung hop after this (--hop-timeout)
+HOP_TIMEOUT_S = 4.0  # both entries give up on a hung hop after this (--hop-timeout)
 # the `node --entry` process's API limits, set by flag (tests/e2e/test_limits_mesh.py)
 ENTRY_LIMITS = {"--max-prompt-tokens": "1000", "--max-tokens-limit": "100", "--max-body": "64KB"}
 JOIN = re.compile(r"^\s*(MESHNET_SWARM_KEY)=(\S+) meshnet node --tracker (\S+)$", re.M)
@@ -73,7 +74,8 @@ class Mesh:
         keys.chmod(0o600)
         entry = ["--entry", "--layers", "0:10", "--api-keys-file", str(keys)]
         entry += ["--log-format", "json"]
-        entry += ["--spot-check-rate", "0"]
+        entry += ["--spot-check-rate", "0", "--push"]  # its hops push (ADR-0034)
+        entry += ["--hop-timeout", str(HOP_TIMEOUT_S)]
         entry += [part for flag, value in ENTRY_LIMITS.items() for part in (flag, value)]
         self.launch("entry", self.node_args(port, "entry") + entry)
 

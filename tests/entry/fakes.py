@@ -52,11 +52,13 @@ def fake_mesh(
     replicas: bool = False,
     copies: tuple[str, ...] = (),
     spot_checker: SpotChecker | None = None,
+    push: bool = False,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
     With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover; `copies` adds more
-    (`a3`: another copy of 2:4, `b3` of 4:6).
+    (`a3`: another copy of 2:4, `b3` of 4:6). With `push`, steps go through the whole
+    route as one `Transport.push` call (ADR-0034).
     """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
@@ -80,6 +82,7 @@ def fake_mesh(
         wire,
         retry=retry,
         spot_checker=spot_checker,
+        push=push,
     )
     runners["local"] = local
     return Generator(pipeline, CharCodec(), 4096, random.Random(0)), transport, runners

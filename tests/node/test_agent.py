@@ -199,3 +199,28 @@ def test_a_source_of_another_kind_here_is_refused_before_any_download() -> None:
 )
 def test_source_kinds_are_told_without_reading(name: str, kind: str | None) -> None:
     assert source_kind(name) == kind
+
+
+def test_heartbeats_carry_round_trips_to_the_tracker_and_to_pinged_peers() -> None:
+    """After a beat, the node knows its round trip to the tracker; a peer it sent frames to
+    is pinged (here a real server on loopback) and the next beat reports both."""
+    from meshnet.node.app import create_app as node_app
+    from tests.security.test_server import serving
+
+    async def scenario(peer_address: str) -> None:
+        registry, client = tracker()
+        node = agent(client, "a", 100)
+        node.service.peers.seen("n-peer", peer_address)
+        node.service.peers.seen("n-gone", "http://127.0.0.1:9")  # nothing listens: no sample
+        await settle(node, beats=2)  # registers, then beats
+        assert node._pinging is not None
+        await node._pinging
+        await settle(node, beats=1)
+        reported = registry.nodes["a"].rtt_ms
+        assert set(reported) == {"tracker", "n-peer"}
+        assert 0 < reported["n-peer"] < 2000 and 0 < reported["tracker"] < 2000
+        await node.service.forwarder.aclose()
+        await client.aclose()
+
+    with serving(node_app(EchoRunner(ModelId("m"), LayerSpan(0, 8)))) as port:  # type: ignore[arg-type]
+        run(scenario(f"http://127.0.0.1:{port}"))

@@ -318,3 +318,39 @@ def test_entries_lists_live_entry_nodes_of_a_model_least_loaded_first(
     assert listed == [("e3", {"start": 0, "end": 10}, 1), ("e2", {"start": 0, "end": 10}, 3)]
     unknown = client.get("/v1/entries", params={"model": "nope"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_routes_for_an_entry_prefer_the_copy_it_measured_nearer(
+    mesh: tuple[TestClient, Clock],
+) -> None:
+    """Two copies of 15:30, equally fast: the entry `a` measured `far` 80 ms away and `near`
+    2 ms away (heartbeats' `rtt_ms`); routes asked with `origin=a` take `near` every time,
+    routes without an origin still spread over both."""
+    client, _ = mesh
+    spans = {"a": (0, 15), "near": (15, 30), "far": (15, 30)}
+    for node, (start, end) in spans.items():
+        register(client, node, 200, loaded=[{"model": "m", "span": {"start": start, "end": end}}])
+    held = [{"model": "m", "span": {"start": 0, "end": 15}}]
+    body = {"node_id": "a", "loaded": held, "rtt_ms": {"near": 2.0, "far": 80.0, "tracker": 1.0}}
+    assert client.post("/v1/nodes/heartbeat", json=body).status_code == 200
+
+    def route(**params: Any) -> str:
+        query = {"model": "m", "start": 15, **params}
+        return str(client.get("/v1/route", params=query).json()["hops"][0]["node_id"])
+
+    assert {route(origin="a") for _ in range(20)} == {"near"}
+    assert {route() for _ in range(40)} == {"near", "far"}
+    bad = client.get("/v1/route", params={"model": "m", "start": 15, "origin": "a/../b"})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "origin"
+
+
+@pytest.mark.parametrize(
+    "rtt_ms", [{"near": -1.0}, {"near": 1e9}, {"../x": 1.0}, {f"n{i}": 1.0 for i in range(65)}]
+)
+def test_bad_round_trips_in_a_heartbeat_are_refused(
+    mesh: tuple[TestClient, Clock], rtt_ms: dict[str, float]
+) -> None:
+    client, _ = mesh
+    register(client, "a", 200)
+    response = client.post("/v1/nodes/heartbeat", json={"node_id": "a", "rtt_ms": rtt_ms})
+    assert response.status_code == 400, response.text

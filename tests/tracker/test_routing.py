@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from meshnet.errors import MissingLayersError, RouteError
-from meshnet.tracker.routing import Server, choose_route
+from meshnet.tracker.routing import Server, choose_route, link_rtt_s
 from meshnet.types import LayerSpan, ModelId, NodeId
 
 
@@ -96,3 +96,44 @@ def test_sessions_spread_over_replicas_as_their_load_is_reported() -> None:
         copies = [server(n, 0, 30, sessions=held[n], step_s=s) for n, s in steps.items()]
         held[names(choose_route(ModelId("m"), 30, copies, 0, random.Random(0)))[0]] += 1
     assert 19 <= held["fast1"] <= 21 and 19 <= held["fast2"] <= 21 and 9 <= held["slow"] <= 11
+
+
+def far(name: str, rtt_s: float, step_s: float, sessions: int = 0) -> Server:
+    span = LayerSpan(0, 30)
+    return Server(NodeId(name), f"http://{name}", span, 1.0, sessions, 0, step_s, rtt_s=rtt_s)
+
+
+@pytest.mark.parametrize(
+    ("copies", "expected"),
+    [
+        # a copy on the entry's LAN (1 ms) beats one twice as fast 50 ms away: 21 ms vs 60 ms
+        ([far("near", 0.001, 0.020), far("fast", 0.050, 0.010)], "near"),
+        # ...but not one five times slower: 101 ms vs 60 ms
+        ([far("near", 0.001, 0.100), far("fast", 0.050, 0.010)], "fast"),
+        # load counts against the near one too: 3 sessions of 20 ms each ahead of a new one
+        ([far("near", 0.001, 0.020, sessions=3), far("fast", 0.050, 0.010)], "fast"),
+        # no measurement (0): step time alone, as before
+        ([far("near", 0.0, 0.020), far("fast", 0.0, 0.010)], "fast"),
+    ],
+)
+def test_route_choice_counts_each_hops_round_trip_from_the_entry(
+    copies: list[Server], expected: str
+) -> None:
+    assert names(choose_route(ModelId("m"), 30, copies, 0, random.Random(0))) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("origin", "node", "expected_s"),
+    [
+        ({"b": 5.0}, {}, 0.005),  # the origin measured the node
+        ({}, {"a": 7.0}, 0.007),  # the node measured the origin
+        ({"b": 5.0}, {"a": 7.0}, 0.005),  # the origin's own measurement first
+        ({"tracker": 2.0}, {"tracker": 30.0}, 0.032),  # no measurement: through the tracker
+        ({"tracker": 2.0}, {}, 0.0),  # unknown
+        ({}, {}, 0.0),
+    ],
+)
+def test_link_round_trips_from_what_nodes_measured(
+    origin: dict[str, float], node: dict[str, float], expected_s: float
+) -> None:
+    assert link_rtt_s("a", origin, "b", node) == pytest.approx(expected_s)

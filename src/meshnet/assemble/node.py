@@ -44,7 +44,8 @@ from meshnet.security.swarm import SwarmKey
 from meshnet.security.tls import client_context, scheme
 from meshnet.tracker import messages as msg
 from meshnet.tracker.offers import offer
-from meshnet.types import LayerSpan
+from meshnet.types import LayerSpan, NodeId
+from meshnet.wire.route import Reply
 
 log = logging.getLogger(__name__)
 ClientFactory = Callable[[], httpx.AsyncClient]
@@ -84,6 +85,8 @@ def node_service(
         batch_wait_s=config.batch_wait_s,
         node_id=node_id,
         swarm_key=SwarmKey.from_text(access.swarm_key) if access.swarm_key else None,
+        signer=Signer(access.swarm_key),  # pushed frames go on signed (ADR-0034)
+        tls=client_context(access.tls),
     )
 
 
@@ -130,6 +133,9 @@ def build_app(
         signer=signer,
         metrics=service.metrics,
         tls=client_context(access.tls),
+        inbox=service.inbox,
+        peers=service.peers,
+        reply=Reply(NodeId(request.node_id), request.address),
     )
     member = Membership(request.node_id)  # its token comes with the registration
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops

@@ -44,6 +44,8 @@ from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
+from meshnet.types import NodeId
+from meshnet.wire.route import Reply
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,11 @@ def build_tracker_node_app(
         signer=signer,
         metrics=service.metrics,
         tls=client_context(access.tls),
+        inbox=service.inbox,
+        peers=service.peers,
+        reply=Reply(NodeId(request.node_id), request.address),
     )
-    routes = RegistryRoutes(registry, random.Random(tracker.route_seed))
+    routes = RegistryRoutes(registry, random.Random(tracker.route_seed), request.node_id)
     role = EntryRole(node, entry, service, routes, transport)
     model = load_entry_model(node, offer(node.model).model, node.model, span)
     service.shards.add(model.runner)
@@ -124,7 +129,10 @@ def build_tracker_node_app(
     @contextlib.asynccontextmanager
     async def both(application: Starlette) -> AsyncIterator[None]:
         async with tracker_lifespan(application), own(application):
-            yield
+            try:
+                yield
+            finally:
+                await service.forwarder.aclose()
 
     app.router.lifespan_context = both
     return app

@@ -98,6 +98,11 @@ def add_tracker_command(sub: Any) -> None:
     )
     tracker.add_argument("--quant", choices=QUANTS, help=QUANT_HELP)
     tracker.add_argument("--data-dir", help="where its node id is kept (default ~/.meshnet)")
+    tracker.add_argument(
+        "--public-address",
+        help="address other members use for its own span and pushed answers, if not "
+        "http://HOST:PORT (nodes join at --host/--port all the same)",
+    )
     add_node_flags(tracker)
     add_access_flags(tracker)
 
@@ -127,6 +132,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         type=parse_fraction,
         default=entry.spot_check_rate,
         help="the fraction of hop answers an entry re-runs on another copy (0 = none)",
+    )
+    group.add_argument(
+        "--push",
+        action=argparse.BooleanOptionalAction,
+        default=entry.push,
+        help="an entry's hops send activations on to the next hop themselves (ADR-0034); "
+        "needs a swarm key and --spot-check-rate 0",
     )
     group.add_argument(
         "--spot-check-ban",
@@ -203,6 +215,7 @@ def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
         quant=args.quant,
         budget_bytes=args.budget,
         data_dir=args.data_dir,
+        public_address=args.public_address,
         **node_limits(args),
     )
 
@@ -228,6 +241,7 @@ def entry_config(args: argparse.Namespace) -> EntryConfig:
         step_wait_s=args.step_wait,
         spot_check_rate=args.spot_check_rate,
         spot_check_ban_s=args.spot_check_ban,
+        push=args.push,
     )
 
 

@@ -35,12 +35,7 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     """Replace `session.hops[k]`, which just failed with `error`; raises when nothing can."""
     started, failed = time.perf_counter(), session.hops[k]
     if not session.replayable:  # nothing to rebuild a replacement's cache from
-        raise HopError(
-            f"{error.message}; this session's inputs passed the entry's replay budget of "
-            f"{pipeline.max_replay_bytes} bytes, so it cannot move to another copy",
-            status=error.status,
-            hop=error.hop,
-        ) from error
+        raise unreplayable(pipeline, error, "another copy") from error
     last: MeshError = error
     await _ban(pipeline, session, failed, error)
     for attempt in range(pipeline.retry.max_attempts):
@@ -75,6 +70,16 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     raise last
 
 
+def unreplayable(pipeline: Pipeline, error: HopError, where: str) -> HopError:
+    """The error ending a session that kept no replay inputs: it cannot move to `where`."""
+    return HopError(
+        f"{error.message}; this session's inputs passed the entry's replay budget of "
+        f"{pipeline.max_replay_bytes} bytes, so it cannot move to {where}",
+        status=error.status,
+        hop=error.hop,
+    )
+
+
 async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: HopError) -> None:
     """Leave `hop` out of this session; tell the tracker unless it was only busy (429) or
     no longer serves those layers (a stale route: it is healthy, and may serve others)."""
@@ -83,6 +88,10 @@ async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: Ho
         await pipeline.routes.report(hop.node_id, str(error))
     # in case it is alive after all; in the background, so that a hung hop (which may take the
     # close call's whole timeout) does not lengthen the pause
+    _close_later(pipeline, hop, session)
+
+
+def _close_later(pipeline: Pipeline, hop: Hop, session: PipelineSession) -> None:
     closing = asyncio.ensure_future(pipeline.transport.close_session(hop, session.id))
     _closing.add(closing)
     closing.add_done_callback(_closing.discard)
@@ -112,3 +121,58 @@ async def _replay(
             outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
         hidden = torch.cat(outputs, dim=1)
     return recorded
+
+
+async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError) -> None:
+    """Move a pushed session (ADR-0034) to a new route after `error`: ban the hop it names,
+    ask for a route from the entry's span on, and replay into it what the first hop was sent
+    (the entry's own outputs: all a pushed session keeps). Raises when nothing can."""
+    started, failed = time.perf_counter(), error.hop or session.hops[0]
+    if not session.replayable:
+        raise unreplayable(pipeline, error, "another route") from error
+    last: MeshError = error
+    await _ban(pipeline, session, failed, error)
+    for attempt in range(pipeline.retry.max_attempts):
+        exclude = frozenset(session.banned) | pipeline.checker.bans.active()
+        try:
+            hops = await pipeline.routes.route(
+                pipeline.model, pipeline.local.span.end, exclude=exclude
+            )
+            await _replay_route(pipeline, session, hops)
+        except HopError as exc:
+            last = exc
+            if exc.hop is not None:
+                await _ban(pipeline, session, exc.hop, exc)
+        except RouteError as exc:
+            if isinstance(last, HopError) and last.busy:
+                raise last from exc
+            last = exc
+        else:
+            for hop in set(session.hops) - set(hops):  # left behind: its cache goes too
+                _close_later(pipeline, hop, session)
+            session.hops, session.fresh = hops, set(hops)
+            session.inputs = [session.inputs[0], *([] for _ in hops[1:])]
+            session.recount()
+            session.failover_pauses_s.append(time.perf_counter() - started)
+            log.info("session %s: %s left; now on %s", session.id, failed, hops)
+            return
+        if attempt + 1 < pipeline.retry.max_attempts:
+            await asyncio.sleep(pipeline.retry.backoff_s(attempt))
+    log.warning("session %s: no route without %s: %s", session.id, failed, last.message)
+    raise last
+
+
+async def _replay_route(pipeline: Pipeline, session: PipelineSession, hops: list[Hop]) -> None:
+    """Empty `hops`' caches of the session, then send them what its first hop was sent."""
+    await asyncio.gather(*(pipeline.transport.close_session(h, session.id) for h in hops))
+    if not session.inputs[0]:
+        return
+    hidden = torch.cat(session.inputs[0], dim=1)
+    for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
+        meta = FrameMeta(
+            session.id, pipeline.model, hops[0].span, chunk.position, chunk.index, chunk.total
+        )
+        if len(hops) > 1:
+            await pipeline.transport.push(hops, meta, chunk.hidden)
+        else:
+            await pipeline.transport.forward(hops[0], meta, chunk.hidden)

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from meshnet.config import RetryPolicy, WireConfig
-from meshnet.entry.failover import failover
+from meshnet.entry.failover import failover, reroute
 from meshnet.entry.latency import HopLatencies
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.spotcheck import Bans, SpotChecker
@@ -118,6 +118,7 @@ class Pipeline:
         step_wait_s: float = 0.1,
         max_replay_bytes: int = 256 << 20,
         spot_checker: SpotChecker | None = None,
+        push: bool = False,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -138,6 +139,9 @@ class Pipeline:
         # re-runs a sample of hop answers on other copies; its bans keep nodes out of routes
         self.checker = spot_checker or SpotChecker(0.0, random.Random(0), Bans(ban_s=0.0))
         self.latencies = HopLatencies()  # decode frames timed per hop: slow ones avoided
+        # hops send their outputs on themselves (ADR-0034); spot checks need every hop's
+        # answer, so an entry that checks relays
+        self.push = push and self.checker.rate == 0.0
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
@@ -260,6 +264,8 @@ class Pipeline:
 
         A hop that fails is replaced (`failover`) and the same chunk goes to its replacement.
         """
+        if self.push and len(session.hops) > 1:
+            return await self._pushed(session, chunk)
         hidden, k = chunk.hidden, 0
         while k < len(session.hops):
             hop = session.hops[k]
@@ -280,6 +286,27 @@ class Pipeline:
             self.checker.offer(self, session, k, meta, out)
             hidden, k = out, k + 1
         return hidden
+
+    async def _pushed(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
+        """One chunk pushed through the whole route, each hop sending on to the next
+        (ADR-0034); the last hop's output. A failed step moves the session to a new route,
+        replayed from what the first hop was sent, and the chunk goes again."""
+        while True:
+            index, total = (0, 1) if session.fresh else (chunk.index, chunk.total)
+            meta = FrameMeta(
+                session.id, self.model, session.hops[0].span, chunk.position, index, total
+            )
+            try:
+                for hop in session.hops:
+                    if self.checker.bans.has(hop.node_id):
+                        raise banned(hop)
+                out = await self.transport.push(session.hops, meta, chunk.hidden)
+            except HopError as exc:
+                await reroute(self, session, exc)
+                self.metrics.failovers.inc()
+                continue
+            session.record(0, chunk.hidden, self.max_replay_bytes)
+            return out
 
     async def close(self, session: PipelineSession) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised)."""

@@ -172,6 +172,7 @@ def make_generator(
         spot_checker=SpotChecker(
             entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
         ),
+        push=entry.push,
     )
     return Generator(
         pipeline,

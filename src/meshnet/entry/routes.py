@@ -63,6 +63,8 @@ class TrackerRoutes:
             params["end"] = end
         if exclude:
             params["exclude"] = ",".join(sorted(exclude))
+        if self.member is not None:  # routes count each hop's round trip from us
+            params["origin"] = self.member.node_id
         try:
             response = await self.client.get("/v1/route", params=params)
         except httpx.HTTPError as exc:
@@ -95,9 +97,10 @@ def _route_error(response: httpx.Response) -> RouteError:
 class RegistryRoutes:
     """Routes from the registry of the tracker this entry node runs inside."""
 
-    def __init__(self, registry: Registry, rng: random.Random) -> None:
+    def __init__(self, registry: Registry, rng: random.Random, origin: str | None = None) -> None:
         self.registry = registry
         self.rng = rng
+        self.origin = origin  # this entry's node id: routes count round trips from it
 
     async def route(
         self,
@@ -107,7 +110,8 @@ class RegistryRoutes:
         exclude: frozenset[NodeId] = frozenset(),
     ) -> list[Hop]:
         self.registry.expire()
-        return hops_of(views.route(self.registry, model, start, self.rng, end, exclude))
+        route = views.route(self.registry, model, start, self.rng, end, exclude, self.origin)
+        return hops_of(route)
 
     async def report(self, node: NodeId, reason: str) -> None:
         self.registry.report(node, reason)

@@ -12,19 +12,23 @@ import json
 import logging
 import ssl
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import AuthError, HopError, MeshError, WireError
+from meshnet.errors import AuthError, HopError, MeshError, PushError, WireError
+from meshnet.node.peers import PeerTimes
+from meshnet.node.push import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, Inbox, passed_back, proof_for
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
-from meshnet.types import Hop, SessionId
+from meshnet.types import Hop, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING, LAYERS
+from meshnet.wire.route import PushRoute, Reply
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,11 @@ class Transport(Protocol):
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` [B, T, H] into `hop` for layers `meta.span`; its output, bf16."""
+        ...
+
+    async def push(self, hops: list[Hop], meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [B, T, H] through all of `hops`, each sending its output to the next
+        itself (ADR-0034); the last hop's output. A `HopError` names the hop that failed."""
         ...
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
@@ -52,8 +61,15 @@ class HttpTransport:
         signer: Signer | None = None,
         metrics: Metrics | None = None,
         tls: ssl.SSLContext | None = None,
+        inbox: Inbox | None = None,
+        reply: Reply | None = None,
+        peers: PeerTimes | None = None,
     ) -> None:
+        self.peers = peers or PeerTimes()  # the hops it sends to, pinged for their RTT
         self.wire = wire
+        self.timeout_s = timeout_s
+        self.inbox = inbox or Inbox()  # where pushed steps wait for their last hop (ADR-0034)
+        self.reply = reply  # this entry's node id and address; None: it cannot push
         self.metrics = metrics or Metrics()
         self.limits = limits
         self.signer = signer or Signer(None)  # proves swarm membership to every hop
@@ -73,6 +89,7 @@ class HttpTransport:
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        self.peers.seen(hop.node_id, hop.address)
         frame = encode(hidden, meta, self.wire)
         data = bytes(frame.body)
         proof = self.signer.headers("POST", "/forward", data, to=hop.node_id, headers=frame.headers)
@@ -92,6 +109,54 @@ class HttpTransport:
                 return output
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
+
+    async def push(self, hops: list[Hop], meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        if self.reply is None:
+            raise HopError("this entry has no address to be pushed to", status=None, hop=hops[0])
+        route = PushRoute(tuple(hops), self.reply)
+        self.peers.seen(hops[0].node_id, hops[0].address)
+        proof = proof_for(self.signer, meta, route)
+        waiter = self.inbox.expect(meta.session, meta.position, hops[-1].span, tuple(hidden.shape))
+        sent = replace(meta, span=hops[0].span)
+        post = asyncio.ensure_future(self._push_first(route, sent, hidden, proof))
+        try:
+            waiting: set[asyncio.Future[Any]] = {post, waiter}
+            done, _ = await asyncio.wait(
+                waiting, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if waiter.done():
+                return waiter.result()
+            if post in done:
+                post.result()  # raises the failure the chain passed back
+                raise HopError(f"hop {hops[-1]} never posted its output", status=None, hop=hops[-1])
+            raise HopError(
+                f"hop {hops[0]} timed out after {self.timeout_s} s", status=None, hop=hops[0]
+            )
+        finally:
+            self.inbox.cancel(meta.session, meta.position)
+            _unwinding.add(post)  # the chain's answers come after the output: not waited for
+            post.add_done_callback(_settled)
+
+    async def _push_first(
+        self, route: PushRoute, meta: FrameMeta, hidden: torch.Tensor, proof: str
+    ) -> None:
+        """The call to the route's first hop; returns once the chain answered it."""
+        first = route.hops[0]
+        frame = encode(hidden, meta, self.wire)
+        data = bytes(frame.body)
+        headers = frame.headers | route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
+        headers |= self.signer.headers("POST", "/forward", data, to=first.node_id, headers=headers)
+        self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
+        try:
+            async with self._session().post(
+                f"{first.address}/forward", data=data, headers=headers
+            ) as response:
+                body = await bounded_read(first, response, MAX_ANSWER_BYTES)
+                if response.status != 200:
+                    raise blamed(route, passed_back(first.node_id, response.status, body))
+                self._check_signed(first, headers, response, body)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise HopError(f"hop {first} failed: {exc!r}", status=None, hop=first) from exc
 
     def _check_signed(
         self, hop: Hop, sent: dict[str, str], response: aiohttp.ClientResponse, body: bytes
@@ -161,6 +226,28 @@ def checked_output(
     return hidden
 
 
+_unwinding: set[asyncio.Future[None]] = set()  # pushed calls whose answers are still coming
+
+
+def _settled(post: asyncio.Future[None]) -> None:
+    _unwinding.discard(post)
+    if not post.cancelled() and post.exception() is not None:
+        log.debug("a pushed step's chain answered late: %s", post.exception())
+
+
+def blamed(route: PushRoute, error: PushError) -> HopError:
+    """The `HopError` for the hop a push error names (the last hop when it is the entry
+    that it could not reach; the first when the name is on no hop: it lied)."""
+    by_id = {hop.node_id: hop for hop in route.hops}
+    if error.failed == route.reply.node_id:
+        hop = route.hops[-1]
+    else:
+        hop = by_id.get(NodeId(error.failed), route.hops[0])
+    return HopError(
+        f"hop {hop} failed a pushed step: {error.message}", status=error.status, hop=hop
+    )
+
+
 def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
     """A `HopError` carrying the remote node's own error message when it sent one."""
     try:
@@ -183,6 +270,7 @@ class InProcessTransport:
         self.closed: list[tuple[str, SessionId]] = []
         self.frames: list[tuple[str, int, int, int]] = []  # (address, tokens, index, total)
         self.dead: set[str] = set()  # addresses that fail like a killed process
+        self.pushes = 0  # steps pushed through a whole route
         self.before_frame: Callable[[str, FrameMeta], None] = lambda address, meta: None
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
@@ -203,6 +291,12 @@ class InProcessTransport:
             ) from exc
         back = encode(out, meta, self.wire)
         return checked_output(hop, back.headers, bytes(back.body), WireLimits(), meta, hidden)
+
+    async def push(self, hops: list[Hop], meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        self.pushes += 1
+        for hop in hops:
+            hidden = await self.forward(hop, replace(meta, span=hop.span), hidden)
+        return hidden
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         self.closed.append((hop.address, session))

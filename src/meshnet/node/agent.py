@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import httpx
 from meshnet.models.source import check_source_kind
 from meshnet.node.app import NodeService
 from meshnet.node.runner import ShardRunner
+from meshnet.security.swarm import TRACKER
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
 
@@ -97,6 +99,7 @@ class NodeAgent:
         self.failed: list[msg.ShardFailure] = []
         self.registered = False
         self.retry_s = 0.1  # registration retries start fast: the first try may beat our server
+        self._pinging: asyncio.Future[None] | None = None  # the peers' round trips being measured
 
     def loaded(self) -> list[msg.ShardRef]:
         return [msg.ShardRef(model=m, span=s) for m, s in self.service.shards]
@@ -144,8 +147,14 @@ class NodeAgent:
             queue_depth=self.service.scheduler.queue_depth(),
             step_s=round(self.service.scheduler.step_s(), 6),
             requests=finished,
+            rtt_ms=self.service.peers.report_ms(),
         )
+        sent = time.perf_counter()
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
+        self.service.peers.record(
+            TRACKER, time.perf_counter() - sent
+        )  # ~1 ms of it is the tracker's
+        self._ping_peers()
 
         if response.status_code in (403, 404) or _claims_refused(response):
             log.info("the tracker does not know this node (restarted?); registering again")
@@ -158,6 +167,21 @@ class NodeAgent:
         if answer.heartbeat_interval_s:  # a big mesh stretches everyone's interval
             self.interval_s = answer.heartbeat_interval_s
         self._apply(answer.directives)
+
+    def _ping_peers(self) -> None:
+        """Ping the peers that are due, in the background (a slow one must not hold the
+        heartbeats back); one round at a time."""
+        if self._pinging is not None and not self._pinging.done():
+            return
+        due = self.service.peers.due()
+        if due:
+            self._pinging = asyncio.ensure_future(self._ping(due))
+
+    async def _ping(self, due: list[tuple[str, str]]) -> None:
+        times = await asyncio.gather(*(self.service.forwarder.ping(address) for _, address in due))
+        for (node_id, _), rtt_s in zip(due, times, strict=True):
+            if rtt_s is not None:
+                self.service.peers.record(node_id, rtt_s)
 
     async def _register(self) -> None:
         request = self.registration.model_copy(update={"loaded": self.loaded()})

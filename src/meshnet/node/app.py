@@ -5,9 +5,11 @@ Every route but `/health` needs a swarm-key proof (the access guard, ADR-0017).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -30,16 +32,20 @@ from meshnet.errors import (
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.compute import HostTurns
 from meshnet.node.outbox import Outbox
+from meshnet.node.peers import PeerTimes
+from meshnet.node.push import Forwarder, Inbox
 from meshnet.node.runner import ShardRunner
 from meshnet.node.scheduler import Scheduler
 from meshnet.node.shards import ShardTable
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard, Rule, rule
+from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import SessionId, is_valid_id
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire import headers as h
+from meshnet.wire.route import budget_ms, parse_route
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,6 +90,8 @@ class NodeService:
         max_batch: int = 32,
         batch_wait_s: float = 0.01,
         max_batch_tokens: int = 512,
+        signer: Signer | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.shards = ShardTable(list(runners))
         self.metrics = metrics or Metrics()
@@ -92,6 +100,12 @@ class NodeService:
         )
         self.submit = self.scheduler.submit  # batched model work (the pipeline's `Executor`)
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
+        # pushed frames (ADR-0034): sent on by `forwarder`; an entry's steps wait in `inbox`
+        self.peers = PeerTimes()  # round trips to the tracker and peers, for route choice
+        self.forwarder = Forwarder(
+            node_id, signer or Signer(None), wire, self.metrics, tls, self.peers
+        )
+        self.inbox = Inbox()
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
         self.wire = wire
@@ -130,23 +144,38 @@ class NodeService:
         encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
         self.metrics.bytes_received.labels(encoding).inc(len(body))
         require_finite(hidden)  # poison must not reach a cache
+        lower = h.lower_keys(request.headers)
+        route = parse_route(lower)
+        if route is not None:  # pushed (ADR-0034): checked before it costs any compute
+            budget = budget_ms(lower)
+            self.forwarder.check(route, meta, lower)
         with session_context(meta.session):
-            response = await self._run(meta, hidden)
-        sent_encoding = response.headers.get(h.ENCODING, "none")
-        self.metrics.bytes_sent.labels(sent_encoding).inc(len(response.body))
-        self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)
-        return response
+            out = await self._run(meta, hidden)
+            self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)
+            if route is not None:
+                return JSONResponse(await self.forwarder.send_on(route, meta, out, budget, started))
+        encoded = encode(out, meta, self.wire)
+        self.metrics.bytes_sent.labels(encoded.headers.get(h.ENCODING, "none")).inc(
+            len(encoded.body)
+        )
+        return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
 
-    async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> Response:
+    async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         runner = self.shards.get(meta.model, meta.span)
         if meta.position == 0:
             self.admit_session(meta.session)
         try:
-            out = await self.run_frame(runner, meta, hidden)
+            return await self.run_frame(runner, meta, hidden)
         finally:
             self.admitted(meta.session)
-        encoded = encode(out, meta, self.wire)
-        return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
+
+    async def pushed(self, request: Request) -> Response:
+        """`POST /push`: the last hop of a pushed step posts its output here (the entry)."""
+        body = await read_body(request, self.limits.max_body_bytes)
+        meta, hidden = decode(request.headers, body, self.limits)
+        require_finite(hidden)
+        self.inbox.deliver(meta, hidden)
+        return JSONResponse({"received": meta.position})
 
     async def run_frame(
         self, runner: ShardRunner, meta: FrameMeta, hidden: torch.Tensor
@@ -193,6 +222,7 @@ class NodeService:
         if not is_valid_id(session):
             raise RequestError(f"invalid session id {session[:128]!r}", field="session")
         self.forget(session)
+        self.forwarder.forget(session)
         dropped = [await self.call(r.drop, session) for r in self.shards.runners()]
         if not any(dropped):
             raise SessionNotFoundError(
@@ -219,6 +249,7 @@ def access_rules(limits: WireLimits) -> list[Rule]:
     return [
         rule("/forward", "swarm", max_body_bytes=limits.max_body_bytes),
         rule("/sessions", "swarm"),
+        rule("/push", "swarm", max_body_bytes=limits.max_body_bytes),
         rule("/v1/identity", "swarm"),
         rule("/metrics", "swarm", "client"),  # Prometheus: an API key as bearer token
     ]
@@ -248,8 +279,12 @@ def create_app(
     guard = Middleware(Guard, rules=rules, credentials=credentials)
     if access.swarm_key:
         service.swarm_key = SwarmKey.from_text(access.swarm_key)
+        if service.forwarder.signer.key is None:  # a service built without the key
+            service.forwarder.signer = Signer(access.swarm_key)
     # the guard outermost: nothing runs before it, and nothing changes an answer it signed
-    app = Starlette(middleware=[guard, Middleware(WireVersionHeader)], lifespan=lifespan)
+    app = Starlette(
+        middleware=[guard, Middleware(WireVersionHeader)], lifespan=closing(service, lifespan)
+    )
     install_error_handlers(app)
     add_node_routes(app, service)
     add_metrics_route(app, service.metrics)
@@ -257,6 +292,23 @@ def create_app(
     if api is not None:
         app.mount("", api)  # after the node's routes: only what they leave
     return app
+
+
+def closing(service: NodeService, lifespan: Lifespan | None) -> Lifespan:
+    """`lifespan`, then the push client's connections closed (ADR-0034)."""
+
+    @contextlib.asynccontextmanager
+    async def both(app: Starlette) -> AsyncIterator[None]:
+        try:
+            if lifespan is None:
+                yield
+            else:
+                async with lifespan(app):
+                    yield
+        finally:
+            await service.forwarder.aclose()
+
+    return both
 
 
 def add_metrics_route(app: Starlette, metrics: Metrics) -> None:
@@ -269,5 +321,6 @@ def add_node_routes(app: Starlette, service: NodeService) -> None:
     """The activation plane's routes (`/forward`, `/sessions/{id}`) on any app."""
     app.state.service = service
     app.add_route("/forward", service.forward, methods=["POST"])
+    app.add_route("/push", service.pushed, methods=["POST"])
     app.add_route("/sessions/{session}", service.drop_session, methods=["DELETE"])
     app.add_route("/v1/identity", service.identity, methods=["GET"])

@@ -137,13 +137,20 @@ def create_app(
         start: int = Query(0, ge=0),
         end: int | None = Query(None, ge=1),
         exclude: str = Query("", max_length=8000, description="node ids, comma-separated"),
+        origin: str = Query(
+            "",
+            max_length=128,
+            description="the asking entry's node id: routes count its round trips",
+        ),
     ) -> msg.RouteResponse:
         registry.expire()
         banned = frozenset(n for n in exclude.split(",") if n)
         bad = sorted(n for n in banned if not is_valid_id(n))
         if bad:
             raise RequestError(f"exclude holds invalid node ids: {bad[:3]}", field="exclude")
-        return views.route(registry, model, start, rng, end, banned)
+        if origin and not is_valid_id(origin):
+            raise RequestError("origin must be a node id", field="origin")
+        return views.route(registry, model, start, rng, end, banned, origin or None)
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:

@@ -17,8 +17,11 @@ Op = Literal["LOAD_SHARD", "DROP_SHARD"]
 MAX_BYTES = 1 << 60  # a budget beyond an exabyte is a typo or an attack
 MAX_SHARDS = 256  # shards one node may list
 MAX_REQUESTS = 64  # finished generations one heartbeat may report
+MAX_PEERS = 64  # round trips one heartbeat may report
 NodeState = Literal["ready", "loading", "idle", "late", "suspect"]
 ModelName = Annotated[str, Field(pattern=ID_PATTERN)]
+PeerName = Annotated[str, Field(pattern=ID_PATTERN)]  # a node id, or `tracker`
+RttMs = Annotated[float, Field(ge=0, le=60_000, allow_inf_nan=False)]
 
 
 class Message(BaseModel):
@@ -132,6 +135,8 @@ class HeartbeatRequest(Message):
     queue_depth: int = Field(ge=0, le=1 << 31, default=0)  # jobs waiting for its compute thread
     step_s: float = Field(ge=0, le=3600, default=0.0, allow_inf_nan=False)  # median decode round
     requests: list[RequestSummary] = Field(default=[], max_length=MAX_REQUESTS)
+    # median round trips it measured (ms) to the tracker and to peers it sends frames to
+    rtt_ms: dict[PeerName, RttMs] = Field(default={}, max_length=MAX_PEERS)
 
 
 class HeartbeatResponse(Message):

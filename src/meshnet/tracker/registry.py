@@ -53,6 +53,7 @@ class NodeRecord:
     sessions: int = 0
     queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
     step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
+    rtt_ms: dict[str, float] = field(default_factory=dict)  # round trips it measured, by peer
     # an entry node reported it failing: out of routes until then, heartbeats or not (a
     # node that fails frames may well go on beating)
     suspect_until_s: float = 0.0
@@ -198,6 +199,7 @@ class Registry:
             record.failed |= failed
             record.sessions = beat.sessions
             record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
+            record.rtt_ms = dict(beat.rtt_ms)
             self.requests.extend(
                 (record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests
             )

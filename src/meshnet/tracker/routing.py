@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from meshnet.errors import MissingLayersError, RouteError
+from meshnet.security.swarm import TRACKER
 from meshnet.tracker.planner import gaps
 from meshnet.types import LayerSpan, ModelId, NodeId, Quant
 
@@ -24,6 +25,7 @@ class Server:
     step_s: float = 0.0  # its median decode round in seconds; 0 = not measured yet
 
     quant: Quant | None = None  # its weights' quantization (spot checks' tolerance)
+    rtt_s: float = 0.0  # its round trip from the entry asking for the route; 0 = unknown
 
 
 def choose_route(
@@ -60,11 +62,25 @@ def choose_route(
 
 
 def cost(server: Server) -> float:
-    """A hop's load-aware cost: its time per decode round (measured; before the first one,
-    the inverse of its start-up throughput) times the work ahead of a new session: every
-    session it holds and every job waiting for its compute thread, plus the new one."""
+    """A hop's expected share of a token's time: its time per decode round (measured;
+    before the first one, the inverse of its start-up throughput) times the work ahead of a
+    new session (every session it holds and every job waiting for its compute thread, plus
+    the new one), plus its round trip from the entry (ADR-0035)."""
     base_s = server.step_s if server.step_s > 0 else 1 / max(server.throughput, 1e-9)
-    return base_s * (1 + server.sessions + server.queue_depth)
+    return base_s * (1 + server.sessions + server.queue_depth) + server.rtt_s
+
+
+def link_rtt_s(
+    origin: str, origin_rtt_ms: Mapping[str, float], node: str, node_rtt_ms: Mapping[str, float]
+) -> float:
+    """The round trip (s) between `origin` and `node` from what each measured (ms by peer,
+    `tracker` included): the origin's own measurement, else the node's, else the way
+    through the tracker (an upper bound), else 0 (unknown)."""
+    for measured in (origin_rtt_ms.get(node), node_rtt_ms.get(origin)):
+        if measured is not None:
+            return measured / 1000
+    via = (origin_rtt_ms.get(TRACKER), node_rtt_ms.get(TRACKER))
+    return (via[0] + via[1]) / 1000 if via[0] is not None and via[1] is not None else 0.0
 
 
 def _walk(

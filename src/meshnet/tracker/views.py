@@ -8,15 +8,21 @@ from meshnet.errors import RequestError, RouteError, UnknownModelError
 from meshnet.tracker import messages as msg
 from meshnet.tracker.planner import ModelOffer, gaps
 from meshnet.tracker.registry import Registry
-from meshnet.tracker.routing import Server, choose_route
+from meshnet.tracker.routing import Server, choose_route, link_rtt_s
 from meshnet.types import LayerSpan, ModelId, NodeId
 
 
 def servers(
-    registry: Registry, model: ModelId, exclude: frozenset[str] = frozenset()
+    registry: Registry,
+    model: ModelId,
+    exclude: frozenset[str] = frozenset(),
+    origin: str | None = None,
 ) -> list[Server]:
-    """Every loaded span of `model` on nodes not excluded or reported failing."""
+    """Every loaded span of `model` on nodes not excluded or reported failing, with its
+    round trip from `origin` (the entry asking) where the two measured one."""
     now = registry.clock()
+    asking = registry.nodes.get(NodeId(origin)) if origin else None
+    origin_rtt = asking.rtt_ms if asking is not None else {}
     return [
         Server(
             node_id,
@@ -27,6 +33,7 @@ def servers(
             r.queue_depth,
             r.step_s,
             r.request.quant,
+            link_rtt_s(origin, origin_rtt, node_id, r.rtt_ms) if origin else 0.0,
         )
         for node_id, r in sorted(registry.nodes.items())
         if node_id not in exclude and now >= r.suspect_until_s
@@ -42,6 +49,7 @@ def route(
     rng: random.Random,
     end: int | None = None,
     exclude: frozenset[str] = frozenset(),
+    origin: str | None = None,
 ) -> msg.RouteResponse:
     offer = registry.offers.get(ModelId(model))
     if offer is None:
@@ -55,7 +63,7 @@ def route(
             field="start",
         )
     with registry.lock:
-        live = servers(registry, offer.model, exclude)
+        live = servers(registry, offer.model, exclude, origin)
     hops = choose_route(offer.model, offer.num_layers, live, start, rng, end)
     return msg.RouteResponse(
         model=model,

@@ -1,0 +1,234 @@
+"""Server-to-server push (ADR-0034): a hop sends its output on itself; the entry waits for the last.
+
+`Forwarder` is a hop's side. Before it computes a pushed frame it checks the route: the
+entry's route proof, this node on the route at the frame's layers, and the same route as the
+session's earlier frames. After, it posts its output to the next hop's `/forward` (or, last,
+to the entry's `/push`) and answers its caller once that call was answered: 200, or a
+`PushError` naming the node that failed, passed back up the chain as it came. A hop that
+dies mid-step resets its caller's connection, so the hop before it names it at once; a hop
+that hangs is named when the budget its caller gave it runs out (each hop gives the next 90%
+of what is left, so the nearest caller to the fault times out first).
+
+`Inbox` is the entry's side: a pushed step waits there for the frame the last hop posts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+import aiohttp
+import torch
+
+from meshnet.config import WireConfig
+from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError
+from meshnet.node.peers import PeerTimes
+from meshnet.observe.metrics import Metrics
+from meshnet.security.signing import Signer
+from meshnet.security.swarm import route_proof
+from meshnet.types import Hop, LayerSpan, SessionId
+from meshnet.wire import FrameMeta, encode
+from meshnet.wire.route import ROUTE, ROUTE_PROOF, PushRoute, route_text
+
+log = logging.getLogger(__name__)
+PUSH_PATH = "/push"  # where the last hop posts its output, on the entry
+SHARE_OF_BUDGET = 0.9  # each hop gives the rest of the chain this share of what it has left
+MAX_ROUTES = 4096  # sessions whose route a node remembers
+MAX_ANSWER_BYTES = 64 * 1024  # a hop's answer to a pushed frame is a short JSON body
+
+
+def proof_for(signer: Signer, meta: FrameMeta, route: PushRoute) -> str:
+    """The entry's proof over a route ("" without a swarm key)."""
+    if signer.key is None:
+        return ""
+    return route_proof(
+        signer.key, meta.session, meta.model, route_text(route.hops), str(route.reply)
+    )
+
+
+class Forwarder:
+    """A hop's side of push: checks pushed frames' routes and sends their outputs on."""
+
+    def __init__(
+        self,
+        node_id: str,
+        signer: Signer,
+        wire: WireConfig,
+        metrics: Metrics,
+        tls: ssl.SSLContext | None = None,
+        peers: PeerTimes | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.peers = peers or PeerTimes()  # the next hops it sends to, pinged for their RTT
+        self.signer = signer
+        self.wire = wire
+        self.metrics = metrics
+        self.tls = tls
+        self.routes: dict[SessionId, str] = {}  # session -> the route proof it started with
+        self._client: aiohttp.ClientSession | None = None
+
+    def check(self, route: PushRoute, meta: FrameMeta, headers: Mapping[str, str]) -> None:
+        """Refuse a pushed frame this node must not take (400/409), before it computes."""
+        if self.signer.key is None:
+            raise RequestError("this node has no swarm key: it pushes nothing on", field=ROUTE)
+        given = headers.get(ROUTE_PROOF.lower(), "")
+        if not hmac.compare_digest(proof_for(self.signer, meta, route), given):
+            raise WireError(
+                f"{ROUTE_PROOF} does not match the route and session", field=ROUTE_PROOF
+            )
+        route.after(self.node_id, meta.span)  # raises when this node is not on it
+        known = self.routes.get(meta.session)
+        if known is not None and known != given and meta.position > 0:
+            raise SessionError(f"session {meta.session} came by another route", field=ROUTE)
+        if known is None:
+            self._prune()
+        self.routes[meta.session] = given
+
+    def forget(self, session: SessionId) -> None:
+        self.routes.pop(session, None)
+
+    def _prune(self) -> None:
+        """Sessions that end by expiry are never `forget`-ten: past MAX_ROUTES keep the newest
+        half (far more than a node's session limit)."""
+        if len(self.routes) >= MAX_ROUTES:
+            self.routes = dict(list(self.routes.items())[MAX_ROUTES // 2 :])
+
+    async def send_on(
+        self, route: PushRoute, meta: FrameMeta, out: torch.Tensor, budget_ms: int, since: float
+    ) -> dict[str, object]:
+        """Post `out` (this hop's output for `meta`) to the next hop or the entry, within what
+        is left of `budget_ms` since `since` (perf_counter s); what the caller is answered."""
+        after = route.after(self.node_id, meta.span)
+        left_s = budget_ms / 1000 - (time.perf_counter() - since)
+        if after is not None:
+            self.peers.seen(after.node_id, after.address)  # measured for route choice
+        if after is None:  # the last hop: its output goes to the entry, named by its layers
+            target = Hop(route.reply.node_id, route.reply.address, meta.span)
+            path, sent = PUSH_PATH, meta
+        else:
+            target, path, sent = after, "/forward", replace(meta, span=after.span)
+        if left_s <= 0:
+            raise PushError(
+                f"no time left to reach {target.node_id}", failed=target.node_id, status=None
+            )
+        headers = route.headers(
+            proof_for(self.signer, meta, route), int(1000 * SHARE_OF_BUDGET * left_s)
+        )
+        await self._post(target, path, sent, out, headers, SHARE_OF_BUDGET * left_s)
+        return {"pushed": target.node_id}
+
+    async def _post(
+        self,
+        target: Hop,
+        path: str,
+        meta: FrameMeta,
+        out: torch.Tensor,
+        extra: dict[str, str],
+        timeout_s: float,
+    ) -> None:
+        frame = encode(out, meta, self.wire)
+        data = bytes(frame.body)
+        headers = frame.headers | extra
+        headers |= self.signer.headers("POST", path, data, to=target.node_id, headers=headers)
+        self.metrics.bytes_sent.labels(frame.headers.get("X-Meshnet-Encoding", "none")).inc(
+            len(data)
+        )
+        failed = target.node_id
+        try:
+            async with self._session().post(
+                f"{target.address}{path}",
+                data=data,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s)),
+            ) as response:
+                body = await response.content.read(MAX_ANSWER_BYTES)
+                if response.status != 200:
+                    raise passed_back(failed, response.status, body)
+                self.signer.check_answer(headers, response.status, response.headers.items(), body)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise PushError(f"{failed} failed: {exc!r}", failed=failed, status=None) from exc
+        except AuthError as exc:  # an unsigned or forged answer: that node's failure
+            raise PushError(f"{failed}: {exc.message}", failed=failed, status=None) from exc
+
+    async def ping(self, address: str, timeout_s: float = 2.0) -> float | None:
+        """The round trip (s) of `GET /health` at `address`; None when it fails."""
+        started = time.perf_counter()
+        try:
+            async with self._session().get(
+                f"{address}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.debug("ping %s failed: %r", address, exc)
+            return None
+        return time.perf_counter() - started if response.status == 200 else None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            connector = aiohttp.TCPConnector(ssl=self.tls or True)
+            self._client = aiohttp.ClientSession(auto_decompress=False, connector=connector)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def passed_back(target: str, status: int, body: bytes) -> PushError:
+    """The `PushError` for a refusal from `target`: a push error from further down as it
+    came, else `target`'s own (its status and words)."""
+    try:
+        error = json.loads(body)["error"]
+        message = str(error["message"])[:300]
+        if error.get("code") == "push_failed" and isinstance(error.get("failed"), str):
+            given = error.get("status")
+            return PushError(
+                message, failed=error["failed"], status=given if isinstance(given, int) else None
+            )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = body[:200].decode("utf-8", "replace")
+    return PushError(f"{target} answered {status}: {message}", failed=target, status=status)
+
+
+class Inbox:
+    """An entry's pushed steps, each waiting for the frame its last hop posts."""
+
+    def __init__(self) -> None:
+        # (session, position) -> (future output, the last hop's layers, the shape expected)
+        self._waiting: dict[
+            tuple[SessionId, int], tuple[asyncio.Future[torch.Tensor], LayerSpan, tuple[int, ...]]
+        ] = {}
+
+    def expect(
+        self, session: SessionId, position: int, span: LayerSpan, shape: tuple[int, ...]
+    ) -> asyncio.Future[torch.Tensor]:
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        self._waiting[(session, position)] = (future, span, shape)
+        return future
+
+    def cancel(self, session: SessionId, position: int) -> None:
+        self._waiting.pop((session, position), None)
+
+    def deliver(self, meta: FrameMeta, hidden: torch.Tensor) -> None:
+        """Hand a posted frame to the step waiting for it; 409 when none waits, 400 when it
+        is not the frame that step waits for."""
+        waiting = self._waiting.get((meta.session, meta.position))
+        if waiting is None or waiting[0].done():
+            raise SessionError(
+                f"no pushed step of session {meta.session} at position {meta.position} waits here",
+                field="X-Meshnet-Session",
+            )
+        future, span, shape = waiting
+        if (meta.span, tuple(hidden.shape)) != (span, shape):
+            raise WireError(
+                f"the pushed answer is (layers, shape) {(str(meta.span), tuple(hidden.shape))}, "
+                f"not {(str(span), shape)}",
+                field="X-Meshnet-Layers",
+            )
+        future.set_result(hidden)

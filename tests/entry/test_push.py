@@ -1,0 +1,46 @@
+"""Pushed steps with fake hops (ADR-0034): same output as relayed ones, and a hop that fails
+mid-push moves the session to a new route replayed from the first hop's inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnet.entry.routes import StaticRoutes
+from meshnet.entry.spotcheck import Bans, SpotChecker
+from tests.conftest import run
+from tests.entry.fakes import fake_mesh
+from tests.entry.test_failover import PARAMS, PROMPT, failure_free, kill_at
+from tests.entry.test_generation import collect
+
+
+def test_pushed_steps_give_the_relayed_output() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, push=True)
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free()
+    # 50 prompt tokens in 4 chunks, then 19 decode steps: each one push through both hops
+    assert transport.pushes == 4 + 19
+    assert all(r.session_count() == 0 for r in runners.values())
+
+
+@pytest.mark.parametrize(
+    ("address", "position"),
+    [("a", 55), ("b", 50), ("b", 68), ("a", 16), ("b", 32), ("a", 0)],
+)
+def test_a_hop_failing_mid_push_costs_a_pause_and_nothing_else(address: str, position: int) -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True, push=True)
+    kill_at(transport, address, position)
+    text, end = run(collect(generator, PROMPT, PARAMS))
+    assert text == failure_free()
+    assert len(end.failover_pauses_s) == 1
+    hops = [h.node_id for h in end.route][1:]
+    assert f"node-{address}" not in hops and len(hops) == 2
+    routes = generator.pipeline.routes
+    assert isinstance(routes, StaticRoutes) and routes.reported == [f"node-{address}"]
+    assert all(r.session_count() == 0 for name, r in runners.items() if name != address)
+
+
+def test_an_entry_that_spot_checks_relays() -> None:
+    checker = SpotChecker(0.5, __import__("random").Random(0), Bans(ban_s=60.0))
+    generator, transport, _ = fake_mesh(chunk_tokens=16, push=True, spot_checker=checker)
+    run(collect(generator, PROMPT, PARAMS))
+    assert transport.pushes == 0 and not generator.pipeline.push

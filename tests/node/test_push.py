@@ -1,0 +1,170 @@
+"""Pushed frames between real servers (ADR-0034): two echo hops and an entry's inbox, each
+an app under uvicorn in a thread, joined by `HttpTransport.push` over loopback sockets."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from meshnet.config import AccessConfig, WireConfig, WireLimits
+from meshnet.entry.transport import HttpTransport
+from meshnet.errors import HopError
+from meshnet.node.app import NodeService, create_app
+from meshnet.node.push import Inbox, proof_for
+from meshnet.node.runner import EchoRunner
+from meshnet.security.signing import Signer
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
+from meshnet.wire import FrameMeta, encode
+from meshnet.wire.route import PushRoute, Reply
+from tests.conftest import run
+from tests.e2e.procs import free_port
+from tests.security.test_server import serving
+
+KEY = "push-test-swarm-key-0123456789abcdef"
+MODEL = ModelId("m")
+SPANS = {"n-1": LayerSpan(10, 20), "n-2": LayerSpan(20, 30)}
+
+
+def node(node_id: str, spans: list[LayerSpan], key: str | None = KEY) -> tuple[NodeService, object]:
+    runners = [EchoRunner(MODEL, span) for span in spans]
+    service = NodeService(runners, WireLimits(), WireConfig(), node_id=node_id, signer=Signer(key))
+    return service, create_app(service=service, access=AccessConfig(swarm_key=key))
+
+
+@contextlib.contextmanager
+def chain(
+    dead: str | None = None,
+) -> Iterator[tuple[HttpTransport, list[Hop], dict[str, NodeService]]]:
+    """Hops n-1 (10:20) and n-2 (20:30), and an entry n-0 whose inbox takes the last output;
+    `dead`: that hop's address has nothing listening."""
+    services, ports = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name in ["n-0", *SPANS]:
+            service, app = node(name, [SPANS[name]] if name in SPANS else [])
+            services[name] = service
+            ports[name] = free_port() if name == dead else stack.enter_context(serving(app))  # type: ignore[arg-type]
+        hops = [Hop(NodeId(n), f"http://127.0.0.1:{ports[n]}", s) for n, s in SPANS.items()]
+        entry = services["n-0"]
+        reply = Reply(NodeId("n-0"), f"http://127.0.0.1:{ports['n-0']}")
+        transport = HttpTransport(timeout_s=5.0, signer=Signer(KEY), inbox=entry.inbox, reply=reply)
+        yield transport, hops, services
+
+
+def meta(position: int = 0, session: str = "s-1") -> FrameMeta:
+    return FrameMeta(SessionId(session), MODEL, LayerSpan(10, 20), position)
+
+
+async def push(
+    transport: HttpTransport, hops: list[Hop], frames: list[tuple[FrameMeta, torch.Tensor]]
+) -> list[torch.Tensor]:
+    try:
+        return [await transport.push(hops, m, x) for m, x in frames]
+    finally:
+        await transport.aclose()
+
+
+def test_a_pushed_step_comes_back_from_the_last_hop_and_every_hop_keeps_its_cache() -> None:
+    prompt, step = torch.randn(1, 5, 16).bfloat16(), torch.randn(1, 1, 16).bfloat16()
+    with chain() as (transport, hops, services):
+        outs = run(push(transport, hops, [(meta(0), prompt), (meta(5), step)]))
+        assert torch.equal(outs[0], prompt) and torch.equal(outs[1], step)  # echo hops
+        assert services["n-1"].session_count() == services["n-2"].session_count() == 1
+        assert services["n-2"].forwarder.routes  # the route each session started with
+
+
+@pytest.mark.parametrize("dead", ["n-1", "n-2"])
+def test_a_dead_hop_is_named_by_the_hop_before_it(dead: str) -> None:
+    with chain(dead=dead) as (transport, hops, _), pytest.raises(HopError) as caught:
+        run(push(transport, hops, [(meta(0), torch.randn(1, 3, 16))]))
+    assert caught.value.hop is not None and caught.value.hop.node_id == dead
+
+
+def test_a_step_nobody_waits_for_or_of_another_shape_is_refused_at_the_inbox() -> None:
+    inbox = Inbox()
+    frame = meta(0)
+
+    async def deliver() -> None:
+        with pytest.raises(Exception, match="no pushed step"):
+            inbox.deliver(frame, torch.zeros(1, 1, 16))
+        inbox.expect(frame.session, 0, LayerSpan(10, 20), (1, 1, 16))
+        with pytest.raises(Exception, match="not"):
+            inbox.deliver(frame, torch.zeros(1, 2, 16))
+
+    run(deliver())
+
+
+ROUTE = PushRoute(
+    (
+        Hop(NodeId("n-1"), "http://127.0.0.1:1", SPANS["n-1"]),
+        Hop(NodeId("n-2"), "http://127.0.0.1:2", SPANS["n-2"]),
+    ),
+    Reply(NodeId("n-0"), "http://127.0.0.1:3"),
+)
+
+
+def pushed_frame(
+    frame: FrameMeta, route: PushRoute = ROUTE, proof: str | None = None
+) -> tuple[dict[str, str], bytes]:
+    encoded = encode(torch.randn(1, 1 if frame.position else 2, 16), frame)
+    given = proof_for(Signer(KEY), frame, route) if proof is None else proof
+    headers = encoded.headers | route.headers(given, 1000)
+    body = bytes(encoded.body)
+    return headers | Signer(KEY).headers("POST", "/forward", body, to="n-1", headers=headers), body
+
+
+async def send(
+    service: NodeService, app: object, frames: list[tuple[dict[str, str], bytes]]
+) -> list[httpx.Response]:
+    """Post `frames` in order (no lifespan runs in-process: the push client is closed here)."""
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://n-1") as client:
+            return [await client.post("/forward", headers=h, content=b) for h, b in frames]
+    finally:
+        await service.forwarder.aclose()
+
+
+OTHER_ROUTE = PushRoute(
+    (ROUTE.hops[0], Hop(NodeId("n-9"), "http://127.0.0.1:9", SPANS["n-2"])), ROUTE.reply
+)
+OFF_ROUTE = PushRoute(
+    (Hop(NodeId("n-7"), "http://127.0.0.1:1", SPANS["n-1"]), ROUTE.hops[1]), ROUTE.reply
+)
+
+
+@pytest.mark.parametrize(
+    ("frames", "status", "field"),
+    [
+        ([pushed_frame(meta(0), proof="0" * 64)], 400, "X-Meshnet-Route-Proof"),
+        # the proof binds the session: a hop cannot send a frame on under another one
+        (
+            [pushed_frame(meta(0, "s-2"), proof=proof_for(Signer(KEY), meta(0), ROUTE))],
+            400,
+            "X-Meshnet-Route-Proof",
+        ),
+        ([pushed_frame(meta(0), OFF_ROUTE)], 400, "X-Meshnet-Route"),  # sent to the wrong node
+        ([pushed_frame(meta(0), OTHER_ROUTE), pushed_frame(meta(2))], 409, "X-Meshnet-Route"),
+    ],
+)
+def test_a_pushed_frame_off_its_signed_route_is_refused_before_compute(
+    frames: list[tuple[dict[str, str], bytes]], status: int, field: str
+) -> None:
+    service, app = node("n-1", [SPANS["n-1"]])
+    answers = run(send(service, app, frames))
+    last = answers[-1]
+    assert last.status_code == status, last.text
+    assert last.json()["error"]["field"] == field
+    assert service.session_count() == (1 if len(frames) > 1 else 0)  # the refused frame: nothing
+
+
+def test_a_node_without_a_swarm_key_pushes_nothing_on() -> None:
+    service, app = node("n-1", [SPANS["n-1"]], key=None)
+    encoded = encode(torch.randn(1, 2, 16), meta(0))
+    headers = encoded.headers | ROUTE.headers("", 1000)
+    answer = run(send(service, app, [(headers, bytes(encoded.body))]))[0]
+    assert answer.status_code == 400 and "swarm key" in answer.json()["error"]["message"]
+    assert service.session_count() == 0
