@@ -3,10 +3,16 @@ mid-push moves the session to a new route replayed from the first hop's inputs."
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import pytest
 
+from meshnet.config import EntryConfig, WireConfig, WireLimits
+from meshnet.entry.role import make_generator
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import Bans, SpotChecker
+from meshnet.node.app import NodeService
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 from tests.entry.test_failover import PARAMS, PROMPT, failure_free, kill_at
@@ -40,7 +46,24 @@ def test_a_hop_failing_mid_push_costs_a_pause_and_nothing_else(address: str, pos
 
 
 def test_an_entry_that_spot_checks_relays() -> None:
-    checker = SpotChecker(0.5, __import__("random").Random(0), Bans(ban_s=60.0))
+    checker = SpotChecker(0.5, random.Random(0), Bans(ban_s=60.0))
     generator, transport, _ = fake_mesh(chunk_tokens=16, push=True, spot_checker=checker)
     run(collect(generator, PROMPT, PARAMS))
     assert transport.pushes == 0 and not generator.pipeline.push
+
+
+def test_an_entry_without_the_swarm_key_relays() -> None:
+    service = NodeService([], WireLimits(), WireConfig())
+    assert service.forwarder.signer.key is None
+    generator, _, _ = fake_mesh(push=True)
+    model = SimpleNamespace(
+        runner=generator.pipeline.local,
+        num_layers=6,
+        head=generator.pipeline.head,
+        codec=generator.codec,
+        max_context=4096,
+    )
+    built = make_generator(
+        model, service, StaticRoutes([]), None, EntryConfig(push=True, spot_check_rate=0.0)
+    )  # type: ignore[arg-type]
+    assert not built.pipeline.push

@@ -142,6 +142,8 @@ class Pipeline:
         # hops send their outputs on themselves (ADR-0034); spot checks need every hop's
         # answer, so an entry that checks relays
         self.push = push and self.checker.rate == 0.0
+        if push and not self.push:
+            log.warning("spot checks need every hop's answer: relaying (push needs rate 0)")
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own

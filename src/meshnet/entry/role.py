@@ -147,6 +147,14 @@ class EntryRole:
             log.info("no longer an entry of %s", model_id)
 
 
+def pushes(service: NodeService) -> bool:
+    """Whether this entry's hops can push (ADR-0034): they refuse frames without the key."""
+    if service.forwarder.signer.key is None:
+        log.warning("--push needs the swarm key (hops refuse unsigned routes): relaying")
+        return False
+    return True
+
+
 def make_generator(
     model: EntryModel,
     service: NodeService,
@@ -172,7 +180,7 @@ def make_generator(
         spot_checker=SpotChecker(
             entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
         ),
-        push=entry.push,
+        push=entry.push and pushes(service),
     )
     return Generator(
         pipeline,
