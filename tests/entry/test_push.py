@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from meshnet.config import EntryConfig, WireConfig, WireLimits
 from meshnet.entry.role import make_generator
+from meshnet.entry.transport import InProcessTransport
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.node.app import NodeService
@@ -63,7 +65,8 @@ def test_an_entry_without_the_swarm_key_relays() -> None:
         codec=generator.codec,
         max_context=4096,
     )
+    config = EntryConfig(push=True, spot_check_rate=0.0)
     built = make_generator(
-        model, service, StaticRoutes([]), None, EntryConfig(push=True, spot_check_rate=0.0)
-    )  # type: ignore[arg-type]
+        cast(Any, model), service, StaticRoutes([]), InProcessTransport({}), config
+    )
     assert not built.pipeline.push
