@@ -11,9 +11,9 @@ import pytest
 
 from meshnet.config import EntryConfig, WireConfig, WireLimits
 from meshnet.entry.role import make_generator
-from meshnet.entry.transport import InProcessTransport
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import Bans, SpotChecker
+from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
