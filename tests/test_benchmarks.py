@@ -128,8 +128,16 @@ def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
 
 @pytest.mark.slow
 def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
-    """Real processes behind delaying proxies: 0 ms and 5 ms rows, each with its bounds."""
-    rows = [line.split("|") for line in run_tiny("wan.py").splitlines() if " ms | " in line]
-    assert [r[1].strip() for r in rows] == ["0 ms", "5 ms"]
+    """Real processes behind delaying proxies: relay and push side by side at 0 and 5 ms,
+    each row with its bounds; what each entry sends."""
+    out = run_tiny("wan.py")
+    rows = [line.split("|") for line in out.splitlines() if " ms | " in line]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("relay", "0 ms"),
+        ("push", "0 ms"),
+        ("relay", "5 ms"),
+        ("push", "5 ms"),
+    ]
     for row in rows:
-        assert float(row[3]) > 0 and float(row[4]) >= float(row[5]) > 0  # today >= push
+        assert float(row[4]) > 0 and float(row[5]) >= float(row[6]) > 0  # relay >= push bound
+    assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out

@@ -4,7 +4,7 @@ an app under uvicorn in a thread, joined by `HttpTransport.push` over loopback s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -139,26 +139,36 @@ OFF_ROUTE = PushRoute(
 @pytest.mark.parametrize(
     ("frames", "status", "field"),
     [
-        ([pushed_frame(meta(0), proof="0" * 64)], 400, "X-Meshnet-Route-Proof"),
+        (lambda: [pushed_frame(meta(0), proof="0" * 64)], 400, "X-Meshnet-Route-Proof"),
         # the proof binds the session: a hop cannot send a frame on under another one
         (
-            [pushed_frame(meta(0, "s-2"), proof=proof_for(Signer(KEY), meta(0), ROUTE))],
+            lambda: [pushed_frame(meta(0, "s-2"), proof=proof_for(Signer(KEY), meta(0), ROUTE))],
             400,
             "X-Meshnet-Route-Proof",
         ),
-        ([pushed_frame(meta(0), OFF_ROUTE)], 400, "X-Meshnet-Route"),  # sent to the wrong node
-        ([pushed_frame(meta(0), OTHER_ROUTE), pushed_frame(meta(2))], 409, "X-Meshnet-Route"),
+        (
+            lambda: [pushed_frame(meta(0), OFF_ROUTE)],
+            400,
+            "X-Meshnet-Route",
+        ),  # sent to the wrong node
+        (
+            lambda: [pushed_frame(meta(0), OTHER_ROUTE), pushed_frame(meta(2))],
+            409,
+            "X-Meshnet-Route",
+        ),
     ],
 )
 def test_a_pushed_frame_off_its_signed_route_is_refused_before_compute(
-    frames: list[tuple[dict[str, str], bytes]], status: int, field: str
+    frames: Callable[[], list[tuple[dict[str, str], bytes]]], status: int, field: str
 ) -> None:
+    """(Frames are signed when the test runs: a proof made at collection would be stale.)"""
     service, app = node("n-1", [SPANS["n-1"]])
-    answers = run(send(service, app, frames))
+    sent = frames()
+    answers = run(send(service, app, sent))
     last = answers[-1]
     assert last.status_code == status, last.text
     assert last.json()["error"]["field"] == field
-    assert service.session_count() == (1 if len(frames) > 1 else 0)  # the refused frame: nothing
+    assert service.session_count() == (1 if len(sent) > 1 else 0)  # the refused frame: nothing
 
 
 def test_a_node_without_a_swarm_key_pushes_nothing_on() -> None:
