@@ -103,6 +103,11 @@ class EntryConfig:
     # legs a token instead of 2k (ADR-0034); needs a swarm key, and is off while spot checks
     # run (they need every hop's answer)
     push: bool = False
+    # a prompt of several wire chunks overlaps across the hops: chunk i+1 enters a hop while
+    # chunk i is in the next (ADR-0036); the entry's span runs it in pieces of this many
+    # tokens, each sent on as soon as it is done
+    pipelined_prefill: bool = True
+    prefill_piece_tokens: int = 512
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,15 @@ def fake_mesh(
     copies: tuple[str, ...] = (),
     spot_checker: SpotChecker | None = None,
     push: bool = False,
+    pipelined: bool = True,
+    piece_tokens: int = 512,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
     With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover; `copies` adds more
     (`a3`: another copy of 2:4, `b3` of 4:6). With `push`, steps go through the whole
-    route as one `Transport.push` call (ADR-0034).
+    route as one `Transport.push` call (ADR-0034); `pipelined` prompts overlap across the
+    hops (ADR-0036), the entry's span running them in pieces of `piece_tokens`.
     """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
@@ -83,6 +86,8 @@ def fake_mesh(
         retry=retry,
         spot_checker=spot_checker,
         push=push,
+        pipelined_prefill=pipelined,
+        prefill_piece_tokens=piece_tokens,
     )
     runners["local"] = local
     return Generator(pipeline, CharCodec(), 4096, random.Random(0)), transport, runners

@@ -69,7 +69,8 @@ def test_seeded_sampling_is_reproducible() -> None:
 
 
 def test_long_prompt_goes_as_chunks_through_every_hop() -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16)  # local span in one piece
+    # one chunk at a time (pipelined prompts: tests/entry/test_prefill.py)
+    generator, transport, runners = fake_mesh(chunk_tokens=16, pipelined=False)
     prompt = "abcdefghijklmnopqrstuvwxyz" * 3  # 78 tokens -> 5 chunks of 16
     text, end = run(collect(generator, prompt, GenerationParams(4, (), GREEDY)))
     assert text == "{|}~" and end.prompt_tokens == 78

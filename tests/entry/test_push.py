@@ -21,12 +21,14 @@ from tests.entry.test_failover import PARAMS, PROMPT, failure_free, kill_at
 from tests.entry.test_generation import collect
 
 
-def test_pushed_steps_give_the_relayed_output() -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16, push=True)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_pushed_steps_give_the_relayed_output(pipelined: bool) -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, push=True, pipelined=pipelined)
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free()
-    # 50 prompt tokens in 4 chunks, then 19 decode steps: each one push through both hops
-    assert transport.pushes == 4 + 19
+    # 50 prompt tokens in 4 chunks, then 19 decode steps: each one push through both hops;
+    # a pipelined prompt's chunks go hop by hop (ADR-0036), its decode steps pushed
+    assert transport.pushes == (0 if pipelined else 4) + 19
     assert all(r.session_count() == 0 for r in runners.values())
 
 

@@ -141,6 +141,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "needs a swarm key and --spot-check-rate 0",
     )
     group.add_argument(
+        "--pipelined-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=entry.pipelined_prefill,
+        help="a long prompt's chunks overlap across the hops (ADR-0036); --no-pipelined-prefill "
+        "sends them one at a time through every hop",
+    )
+    group.add_argument(
         "--spot-check-ban",
         type=float,
         default=entry.spot_check_ban_s,
@@ -242,6 +249,7 @@ def entry_config(args: argparse.Namespace) -> EntryConfig:
         spot_check_rate=args.spot_check_rate,
         spot_check_ban_s=args.spot_check_ban,
         push=args.push,
+        pipelined_prefill=args.pipelined_prefill,
     )
 
 

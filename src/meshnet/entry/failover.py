@@ -124,9 +124,10 @@ async def _replay(
 
 
 async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError) -> None:
-    """Move a pushed session (ADR-0034) to a new route after `error`: ban the hop it names,
-    ask for a route from the entry's span on, and replay into it what the first hop was sent
-    (the entry's own outputs: all a pushed session keeps). Raises when nothing can."""
+    """Move a session to a new route after `error` (a pushed step, ADR-0034, or a pipelined
+    prefill, ADR-0036): ban the hop it names, ask for a route from the entry's span on, and
+    replay into it what the first hop was sent (the entry's own outputs: all a pushed session
+    keeps). Raises when nothing can."""
     started, failed = time.perf_counter(), error.hop or session.hops[0]
     if not session.replayable:
         raise unreplayable(pipeline, error, "another route") from error
@@ -138,7 +139,7 @@ async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError)
             hops = await pipeline.routes.route(
                 pipeline.model, pipeline.local.span.end, exclude=exclude
             )
-            await _replay_route(pipeline, session, hops)
+            inputs = await _replay_route(pipeline, session, hops)
         except HopError as exc:
             last = exc
             if exc.hop is not None:
@@ -151,7 +152,7 @@ async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError)
             for hop in set(session.hops) - set(hops):  # left behind: its cache goes too
                 _close_later(pipeline, hop, session)
             session.hops, session.fresh = hops, set(hops)
-            session.inputs = [session.inputs[0], *([] for _ in hops[1:])]
+            session.inputs = inputs
             session.recount()
             session.failover_pauses_s.append(time.perf_counter() - started)
             log.info("session %s: %s left; now on %s", session.id, failed, hops)
@@ -162,17 +163,19 @@ async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError)
     raise last
 
 
-async def _replay_route(pipeline: Pipeline, session: PipelineSession, hops: list[Hop]) -> None:
-    """Empty `hops`' caches of the session, then send them what its first hop was sent."""
+async def _replay_route(
+    pipeline: Pipeline, session: PipelineSession, hops: list[Hop]
+) -> list[list[torch.Tensor]]:
+    """Empty `hops`' caches of the session, then send them what its first hop was sent,
+    pushed or (an entry that relays) relayed; the inputs each hop keeps for replay."""
+    if not pipeline.push or len(hops) == 1:
+        return await _replay(pipeline, session, 0, hops)
     await asyncio.gather(*(pipeline.transport.close_session(h, session.id) for h in hops))
-    if not session.inputs[0]:
-        return
-    hidden = torch.cat(session.inputs[0], dim=1)
-    for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
-        meta = FrameMeta(
-            session.id, pipeline.model, hops[0].span, chunk.position, chunk.index, chunk.total
-        )
-        if len(hops) > 1:
+    if session.inputs[0]:
+        hidden = torch.cat(session.inputs[0], dim=1)
+        for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
+            meta = FrameMeta(
+                session.id, pipeline.model, hops[0].span, chunk.position, chunk.index, chunk.total
+            )
             await pipeline.transport.push(hops, meta, chunk.hidden)
-        else:
-            await pipeline.transport.forward(hops[0], meta, chunk.hidden)
+    return [session.inputs[0], *([] for _ in hops[1:])]

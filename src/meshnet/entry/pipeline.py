@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from meshnet.config import RetryPolicy, WireConfig
+from meshnet.entry import prefill
 from meshnet.entry.failover import failover, reroute
 from meshnet.entry.latency import HopLatencies
 from meshnet.entry.routes import RouteSource
@@ -37,8 +38,8 @@ from meshnet.wire import Chunk, FrameMeta, split_prefill
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Pick = Callable[[torch.Tensor], T]  # logits [V] -> what a request makes of them (a token)
-# (session, token ids, pick: only when the entry's span is the last one)
-LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None"]
+# (session, token ids, pick: only when the entry's span is the last one, first id's position)
+LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None", int]
 
 
 class HeadLike(Protocol):
@@ -119,6 +120,8 @@ class Pipeline:
         max_replay_bytes: int = 256 << 20,
         spot_checker: SpotChecker | None = None,
         push: bool = False,
+        pipelined_prefill: bool = True,
+        prefill_piece_tokens: int = 512,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
@@ -131,6 +134,10 @@ class Pipeline:
         self.transport = transport
         self.wire = wire
         self.local_chunk_tokens = local_chunk_tokens
+        # a prompt of several chunks overlaps across the hops (ADR-0036); the entry's span
+        # runs it in pieces of this many tokens, each sent on as soon as it is done
+        self.pipelined_prefill = pipelined_prefill
+        self.prefill_piece_tokens = prefill_piece_tokens
         self.retry = retry
         self.step_wait_s = step_wait_s  # see `EntryConfig.step_wait_s`
         self.max_replay_bytes = max_replay_bytes  # per session, for failover
@@ -177,44 +184,72 @@ class Pipeline:
         The entry's own work is one compute-thread job (embeddings and its span, plus the
         logits and `pick` when there is no remote hop); decode steps of all sessions in flight
         join one batch there, and so do their logits after the last hop. One job a token per
-        session keeps the sessions in step, so each round batches them all.
+        session keeps the sessions in step, so each round batches them all. A prompt of
+        several wire chunks is pipelined over the route instead (`entry/prefill.py`).
         """
-        last = not session.hops
-        key = ("local", id(self))  # every session's step and prompt may share a pass
-        item = (session, ids, pick if last else None)
+        pipelined = bool(session.hops) and self.pipelined_prefill
+        pipelined = pipelined and len(ids) > self.wire.chunk_tokens  # a prompt of many chunks
+        out: Any  # hidden [1, T, H], or what `pick` made of the logits
         try:
-            out = await self.executor.submit(
-                key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
-            )
+            if pipelined:  # the entry's span and the hops at once (ADR-0036)
+                out = await prefill.pipelined(self, session, ids)
+            else:  # the entry's span, with the logits when it is the last one
+                out = await self.local_pass(
+                    session, ids, session.position, None if session.hops else pick
+                )
         finally:
             if session.position == 0:  # the first call: its cache holds its place from now
                 self.executor.admitted(session.id)
-        if not last:
+        if not session.hops:
+            self._fed(session, ids)
+            return out  # type: ignore[no-any-return]
+        if not pipelined:
             for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
-                out = await self._remote(session, chunk)
-            out = await self.executor.submit(
-                ("logits", id(self)), self._logits_many, (out, pick), 1, session.id, 0.01
-            )
+                out = await self.remote(session, chunk)
+        return await self._after(session, ids, out, pick)
+
+    async def local_pass(
+        self, session: PipelineSession, ids: list[int], position: int, pick: Pick[T] | None = None
+    ) -> Any:
+        """The entry's own span over `ids` at `position`, as one compute-thread job with the
+        other sessions' (`_run_local_many`): hidden [1, T, H], or with `pick` what it makes
+        of the next token's logits."""
+        key = ("local", id(self))  # every session's step and prompt may share a pass
+        item = (session, ids, pick, position)
+        return await self.executor.submit(
+            key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
+        )
+
+    async def _after(
+        self, session: PipelineSession, ids: list[int], out: torch.Tensor, pick: Pick[T]
+    ) -> T:
+        """`pick` of the logits of the last hop's output `out` [1, T, H]; the feed is done."""
+        picked = await self.executor.submit(
+            ("logits", id(self)), self._logits_many, (out, pick), 1, session.id, 0.01
+        )
+        self._fed(session, ids)
+        return picked  # type: ignore[no-any-return]
+
+    def _fed(self, session: PipelineSession, ids: list[int]) -> None:
         session.position += len(ids)
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
-        return out  # type: ignore[no-any-return]
 
     def _run_local_many(self, items: list[LocalStep]) -> list[Any]:
         """Compute thread: `_run_local` for each item, many sessions in one pass: the
         entry's span over all their tokens (decode steps and prompts), one head product
         for their logits. A prompt longer than `local_chunk_tokens` runs on its own."""
         outs: list[Any] = [None] * len(items)
-        packed = [i for i, (_, ids, _) in enumerate(items) if len(ids) <= self.local_chunk_tokens]
+        packed = [i for i, item in enumerate(items) if len(item[1]) <= self.local_chunk_tokens]
         if len(packed) < 2:
             packed = []
-        for i, (session, ids, pick) in enumerate(items):
+        for i, (session, ids, pick, position) in enumerate(items):
             if i not in packed:
                 try:
-                    outs[i] = self._run_local(session, torch.tensor([ids]), pick)
+                    outs[i] = self._run_local(session, torch.tensor([ids]), pick, position)
                 except Exception as exc:  # that session's request fails, not the others'
                     outs[i] = Failed(exc)
-        frames = [self._frame(*items[i][:2]) for i in packed]
+        frames = [self._frame(items[i][0], items[i][1], items[i][3]) for i in packed]
         for i, out in zip(packed, self.local.forward_many(frames), strict=True):
             outs[i] = out
         wanted = [i for i in packed if items[i][2] is not None and not isinstance(outs[i], Failed)]
@@ -224,13 +259,13 @@ class Pipeline:
                 outs[i] = result
         return outs
 
-    def _frame(self, session: PipelineSession, ids: list[int]) -> Frame:
-        """The entry's own frame for `ids` after the session's tokens: [1, T, H] embedded."""
-        meta = FrameMeta(session.id, self.model, self.local.span, session.position, 0, 1)
-        return meta, self.head.embed_tokens(torch.tensor([ids]), session.position)
+    def _frame(self, session: PipelineSession, ids: list[int], position: int) -> Frame:
+        """The entry's own frame for `ids` at `position`: [1, T, H] embedded."""
+        meta = FrameMeta(session.id, self.model, self.local.span, position, 0, 1)
+        return meta, self.head.embed_tokens(torch.tensor([ids]), position)
 
     def _run_local(
-        self, session: PipelineSession, tokens: torch.Tensor, pick: Pick[Any] | None
+        self, session: PipelineSession, tokens: torch.Tensor, pick: Pick[Any] | None, at: int
     ) -> Any:
         """Compute thread: embeddings and the entry's own span -> hidden [1, T, H], or, with
         `pick`, what it makes of the last token's logits [V]. The span runs in pieces of
@@ -238,9 +273,9 @@ class Pipeline:
         pass on a CPU (masked attention, small GEMMs), and the bound keeps a long prompt's
         attention memory in check.
         """
-        hidden = self.head.embed_tokens(tokens, session.position)
+        hidden = self.head.embed_tokens(tokens, at)
         outputs = []
-        for piece in split_prefill(hidden, session.position, self.local_chunk_tokens):
+        for piece in split_prefill(hidden, at, self.local_chunk_tokens):
             meta = FrameMeta(
                 session.id, self.model, self.local.span, piece.position, piece.index, piece.total
             )
@@ -261,7 +296,7 @@ class Pipeline:
                 results.append(Failed(exc))
         return results
 
-    async def _remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
+    async def remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
         """One chunk through every remote hop in order; the last hop's output.
 
         A hop that fails is replaced (`failover`) and the same chunk goes to its replacement.
@@ -270,24 +305,32 @@ class Pipeline:
             return await self._pushed(session, chunk)
         hidden, k = chunk.hidden, 0
         while k < len(session.hops):
-            hop = session.hops[k]
-            index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
-            meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
             try:
-                if self.checker.bans.has(hop.node_id):
-                    raise banned(hop)
-                started = time.perf_counter()
-                out = await self.transport.forward(hop, meta, hidden)
-                if hidden.shape[1] == 1:  # decode frames compare; prefill chunks vary
-                    self.latencies.record(hop, time.perf_counter() - started)
+                out = await self.hop(session, k, chunk, hidden)
             except HopError as exc:  # whatever it was, another copy of the span may take it
                 await failover(self, session, k, exc)
                 self.metrics.failovers.inc()
                 continue
-            session.record(k, hidden, self.max_replay_bytes)
-            self.checker.offer(self, session, k, meta, out)
             hidden, k = out, k + 1
         return hidden
+
+    async def hop(
+        self, session: PipelineSession, k: int, chunk: Chunk, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """`hidden` [1, T, H], chunk `chunk`'s input to remote hop `k`, relayed through it:
+        its output, once the session recorded what it was sent (raises `HopError`)."""
+        hop = session.hops[k]
+        index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
+        meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
+        if self.checker.bans.has(hop.node_id):
+            raise banned(hop)
+        started = time.perf_counter()
+        out = await self.transport.forward(hop, meta, hidden)
+        if hidden.shape[1] == 1:  # decode frames compare; prefill chunks vary
+            self.latencies.record(hop, time.perf_counter() - started)
+        session.record(k, hidden, self.max_replay_bytes)
+        self.checker.offer(self, session, k, meta, out)
+        return out
 
     async def _pushed(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
         """One chunk pushed through the whole route, each hop sending on to the next

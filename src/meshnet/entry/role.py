@@ -181,6 +181,8 @@ def make_generator(
             entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
         ),
         push=entry.push and pushes(service),
+        pipelined_prefill=entry.pipelined_prefill,
+        prefill_piece_tokens=entry.prefill_piece_tokens,
     )
     return Generator(
         pipeline,
