@@ -1,23 +1,29 @@
 """The mesh over slow links: each remote node behind a delaying, rate-limiting TCP proxy.
 
     python benchmarks/wan.py          # {0, 5, 25, 50} ms x {unlimited, 100 Mbit/s}, int8
-    python benchmarks/wan.py --tiny   # 5 ms, unlimited, a 16-token prompt (what tests run)
+    python benchmarks/wan.py --tiny   # 0 and 5 ms, unlimited, fp32, short prompts (the tests)
 
-A tracker-as-entry-node (layers 0:10), two nodes (10:20, 20:30) and a second entry (0:10),
-real processes. Each
-node registers `--public-address` pointing at its own proxy, so every frame the entry sends
-it crosses one emulated link (there is no `tc netem` here): the proxy holds every byte
-`delay` ms in each direction and paces it at the link rate. Decode tokens/s is
-(t(N+1) - t(1)) / N for the same prompt; TTFT is a request with `max_tokens=1`.
+A tracker-as-entry-node (layers 0:10), two nodes (10:20, 20:30) and two more entries (0:10),
+real processes. Each node registers `--public-address` pointing at its own proxy, so every
+frame an entry sends it crosses one emulated link (there is no `tc netem` here): the proxy
+holds every byte `delay` ms in each direction and paces it at the link rate. Decode tokens/s
+is (t(N+1) - t(1)) / N for the same prompt; TTFT is a request with `max_tokens=1`.
 
-Two entries share the nodes: the tracker relays (`--no-push`: the entry sends every frame
-to every hop and gets its answer back), a `node --entry --push` pushes (ADR-0034: each hop
-sends on to the next, the last to the entry); their requests alternate, so the two modes
-are measured side by side on the same machine state. The relay bound: per token, every
-remote hop is a round trip from the entry (2 x hops legs of `delay`), plus the frame's
-serialization at the link rate, plus the compute measured at 0 ms (that mode's first row);
-per prompt, each 128-token chunk crosses every hop in turn. The push bound: hops + 1 legs
-per token; chunks + hops - 1 chunk-times per prompt when chunks are pipelined.
+Three entries share the nodes, one per design, their requests alternating so that all see
+the same machine state:
+- `sequential` (today's design before ADR-0036, `--no-pipelined-prefill --no-push`): the
+  entry sends every frame to every hop and gets its answer back, a prompt one 128-token chunk
+  at a time through every hop;
+- `relay` (the tracker, `--no-push`): the same per token, a prompt's chunks pipelined;
+- `push` (`node --entry --push`, ADR-0034): each hop sends a token on to the next, the last
+  one to the entry; prompts pipelined.
+
+Bounds, from compute measured at 0 ms: per token, a relayed step is 2 x hops legs of `delay`
+plus serialization at the link rate plus that mode's compute; a pushed one hops + 1 legs.
+Per prompt, one chunk at a time costs chunks x (stages x chunk compute + 2 x hops legs);
+pipelined, (chunks + stages - 1) chunk computes, the chunk compute of one stage taken from
+the sequential 0 ms TTFT / (chunks x stages): what independent machines would give. Here
+all stages share one machine's cores, which the pipelined bound does not charge.
 """
 
 from __future__ import annotations
@@ -115,11 +121,11 @@ class LinkProxy:
 
 @contextmanager
 def mesh(logs: Path, quant: str, link: Link) -> Iterator[dict[str, str]]:
-    """Two entries of layers 0:10 over the same nodes 10:20 and 20:30: the tracker relays,
-    a `node --entry --push` pushes. Every process is reached by its peers through its own
-    proxy on `link` (an entry too: the last hop's pushed answer crosses a link), while
-    clients and heartbeats reach the tracker directly. The entries' URLs by mode."""
-    port, push_port = free_port(), free_port()
+    """Three entries of layers 0:10 over the same nodes 10:20 and 20:30, one per mode (see
+    the module's docstring). Every process is reached by its peers through its own proxy on
+    `link` (an entry too: the last hop's pushed answer crosses a link), while clients and
+    heartbeats reach the tracker directly. The entries' URLs by mode."""
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MESHNET_SWARM_KEY": secrets.token_hex(32)}
     common = ["--quant", quant, "--spot-check-rate", "0"]
@@ -133,19 +139,22 @@ def mesh(logs: Path, quant: str, link: Link) -> Iterator[dict[str, str]]:
             + ["--no-entry", "--public-address", f"http://127.0.0.1:{proxy.port}"]
             + ["--data-dir", str(logs / f"node{i}")]
         )
-    push_proxy = LinkProxy(push_port, link)
-    commands.append(
-        ["node", "--tracker", url, "--port", str(push_port), "--layers", "0:10", *common]
-        + ["--entry", "--push", "--public-address", f"http://127.0.0.1:{push_proxy.port}"]
-        + ["--data-dir", str(logs / "push-entry")]
-    )
+    entries = {"sequential": ["--no-push", "--no-pipelined-prefill"], "push": ["--push"]}
+    ports = {mode: free_port() for mode in entries}
+    for mode, flags in entries.items():
+        proxy = LinkProxy(ports[mode], link)
+        commands.append(
+            ["node", "--tracker", url, "--port", str(ports[mode]), "--layers", "0:10", *common]
+            + ["--entry", *flags, "--public-address", f"http://127.0.0.1:{proxy.port}"]
+            + ["--data-dir", str(logs / f"{mode}-entry")]
+        )
     with running(commands, logs, "", env):
         wait_routable(url, 3)
-        push_url = f"http://127.0.0.1:{push_port}"
-        wait_routable(url, 3)
-        with httpx.Client(base_url=push_url, timeout=600) as client:
-            wait_answers(client)
-        yield {"relay": url, "push": push_url}
+        urls = {mode: f"http://127.0.0.1:{p}" for mode, p in ports.items()}
+        for entry_url in urls.values():
+            with httpx.Client(base_url=entry_url, timeout=600) as client:
+                wait_answers(client)
+        yield {"sequential": urls["sequential"], "relay": url, "push": urls["push"]}
 
 
 def wait_answers(client: httpx.Client, timeout_s: float = 120.0) -> None:
@@ -159,7 +168,7 @@ def wait_answers(client: httpx.Client, timeout_s: float = 120.0) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("the pushing entry never answered")
+    raise RuntimeError(f"the entry at {client.base_url} never answered")
 
 
 def timed(client: httpx.Client, text: str, tokens: int) -> float:
@@ -219,18 +228,20 @@ def serialization_s(payload_bytes: int, rate_bps: float | None) -> float:
     return (payload_bytes + FRAME_OVERHEAD) * 8 / rate_bps if rate_bps else 0.0
 
 
-def bounds(link: Link, base: dict[str, float], n: int) -> dict[str, float]:
-    """Physical bounds (ms) for today's design and for push, from the 0 ms row's compute."""
-    d_ms, hops = 1000 * link.delay_s, 2
+def bounds(mode: str, link: Link, base: dict[str, dict[str, float]], n: int) -> tuple[float, float]:
+    """Physical bounds (ms) of `mode` at `link`: a decode token, and the TTFT of an
+    `n`-token prompt; compute from the 0 ms rows (`base`, by mode)."""
+    d_ms, hops, stages = 1000 * link.delay_s, 2, 3
     step_ms = 1000 * serialization_s(HIDDEN_BYTES, link.rate_bps)
+    legs = hops + 1 if mode == "push" else 2 * hops
+    decode = legs * (d_ms + step_ms) + base[mode]["decode_ms"]
     chunks = -(-n // CHUNK)
     chunk_ms = 1000 * serialization_s(min(n, CHUNK) * HIDDEN_BYTES, link.rate_bps)
-    return {
-        "decode_today": 2 * hops * (d_ms + step_ms) + base["decode_ms"],
-        "decode_push": (hops + 1) * (d_ms + step_ms) + base["decode_ms"],
-        f"ttft_{n}_today": 1000 * base[f"ttft_{n}"] + chunks * 2 * hops * (d_ms + chunk_ms),
-        f"ttft_{n}_push": 1000 * base[f"ttft_{n}"] + (chunks + hops) * (d_ms + chunk_ms),
-    }
+    sequential = 1000 * base.get("sequential", base[mode])[f"ttft_{n}"]  # chunks x stages
+    if mode == "sequential" or chunks == 1:
+        return decode, sequential + chunks * 2 * hops * (d_ms + chunk_ms)
+    stage_ms = sequential / (chunks * stages)
+    return decode, (chunks + stages - 1) * stage_ms + 2 * hops * (d_ms + chunk_ms)
 
 
 def main() -> None:
@@ -239,13 +250,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="int8")
-    parser.add_argument("--mode", choices=["relay", "push", "both"], default="both")
+    parser.add_argument(
+        "--mode", choices=["sequential", "relay", "push", "all"], default=["all"], nargs="+"
+    )
     parser.add_argument("--lengths", default="16,512,2048", help="prompt lengths for TTFT")
     parser.add_argument("--delays", default="0,5,25,50", help="one-way delays (ms) per link")
     parser.add_argument("--rates", default="0,100", help="link rates (Mbit/s, 0: unlimited)")
     args = parser.parse_args()
     tiny = args.tiny
-    lengths = [16] if tiny else [int(n) for n in args.lengths.split(",")]
+    lengths = [16, 160] if tiny else [int(n) for n in args.lengths.split(",")]  # 160: 2 chunks
     tokens, repeats = (4, 1) if tiny else (args.tokens, args.repeats)
     delays = [0.0, 5.0] if tiny else [float(d) for d in args.delays.split(",")]
     rates: list[float | None] = (
@@ -253,14 +266,14 @@ def main() -> None:
     )
     prompts = prompts_for(load_tokenizer(resolve("default")), lengths)
     link = Link()
-    heads = " | ".join(f"TTFT {n} ms (bound relay / push)" for n in lengths)
-    print(f"| mode | one-way delay | link | decode ms/token | bound relay | push bound | {heads} |")
-    print("|---|---:|---|---:|---:|---:|" + "---:|" * len(lengths))
+    heads = " | ".join(f"TTFT {n} ms | bound | x bound" for n in lengths)
+    print(f"| mode | one-way delay | link | decode ms/token | bound | x bound | {heads} |")
+    print("|---|---:|---|---:|---:|---:|" + "---:|---:|---:|" * len(lengths))
     with (
         tempfile.TemporaryDirectory(prefix="meshnet-wan-") as logs,
         mesh(Path(logs), "fp32" if tiny else args.quant, link) as urls,
     ):
-        urls = {m: u for m, u in urls.items() if args.mode in (m, "both")}
+        urls = {m: u for m, u in urls.items() if {m, "all"} & set(args.mode)}
         base: dict[str, dict[str, float]] = {}
         for rate in rates:
             for delay in delays:
@@ -268,7 +281,7 @@ def main() -> None:
                 rows = measure(urls, prompts, tokens, repeats)
                 base = base or rows  # the first row's compute (0 ms, unlimited)
                 for mode, row in rows.items():
-                    print(line(mode, link, row, base[mode], lengths), flush=True)
+                    print(line(mode, link, row, base, lengths), flush=True)
         link.delay_s, link.rate_bps = 0.0, None
         for mode, url in urls.items():
             per_token, per_prompt = traffic(url, prompts, tokens)
@@ -279,18 +292,19 @@ def main() -> None:
 
 
 def line(
-    mode: str, link: Link, row: dict[str, float], base: dict[str, float], lengths: list[int]
+    mode: str,
+    link: Link,
+    row: dict[str, float],
+    base: dict[str, dict[str, float]],
+    lengths: list[int],
 ) -> str:
     rate = f"{link.rate_bps / 1e6:.0f} Mbit/s" if link.rate_bps else "unlimited"
-    b = {k: v for n in lengths for k, v in bounds(link, base, n).items()}
-    ttfts = " | ".join(
-        f"{1000 * row[f'ttft_{n}']:.0f} ({b[f'ttft_{n}_today']:.0f} / {b[f'ttft_{n}_push']:.0f})"
-        for n in lengths
-    )
-    return (
-        f"| {mode} | {1000 * link.delay_s:.0f} ms | {rate} | {row['decode_ms']:.1f} "
-        f"| {b['decode_today']:.1f} | {b['decode_push']:.1f} | {ttfts} |"
-    )
+    decode = bounds(mode, link, base, lengths[0])[0]
+    cells = [f"{row['decode_ms']:.1f} | {decode:.1f} | {row['decode_ms'] / decode:.2f}"]
+    for n in lengths:
+        ms, bound = 1000 * row[f"ttft_{n}"], bounds(mode, link, base, n)[1]
+        cells.append(f"{ms:.0f} | {bound:.0f} | {ms / bound:.2f}")
+    return f"| {mode} | {1000 * link.delay_s:.0f} ms | {rate} | " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":
