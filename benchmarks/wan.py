@@ -21,8 +21,9 @@ the same machine state:
 Bounds, from compute measured at 0 ms: per token, a relayed step is 2 x hops legs of `delay`
 plus serialization at the link rate plus that mode's compute; a pushed one hops + 1 legs.
 Per prompt, one chunk at a time costs chunks x (stages x chunk compute + 2 x hops legs);
-pipelined, (chunks + stages - 1) chunk computes, the chunk compute of one stage taken from
-the sequential 0 ms TTFT / (chunks x stages): what independent machines would give. Here
+pipelined, every stage's chunk time once and the slowest stage's for each further chunk
+(a hop's chunk time: its compute and its two legs; one stage's chunk compute taken from
+the sequential 0 ms TTFT / (chunks x stages)): what independent machines would give. Here
 all stages share one machine's cores, which the pipelined bound does not charge.
 """
 
@@ -240,8 +241,9 @@ def bounds(mode: str, link: Link, base: dict[str, dict[str, float]], n: int) -> 
     sequential = 1000 * base.get("sequential", base[mode])[f"ttft_{n}"]  # chunks x stages
     if mode == "sequential" or chunks == 1:
         return decode, sequential + chunks * 2 * hops * (d_ms + chunk_ms)
-    stage_ms = sequential / (chunks * stages)
-    return decode, (chunks + stages - 1) * stage_ms + 2 * hops * (d_ms + chunk_ms)
+    stage_ms = sequential / (chunks * stages)  # one chunk's compute on one stage
+    hop_ms = stage_ms + 2 * (d_ms + chunk_ms)  # a hop's chunk time: compute and two legs
+    return decode, stage_ms + hops * hop_ms + (chunks - 1) * max(stage_ms, hop_ms)
 
 
 def main() -> None:

@@ -140,9 +140,18 @@ def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
         values = [float(cell) for cell in row[4:13]]
         assert all(v > 0 for v in values)
         for measured, bound, ratio in zip(values[::3], values[1::3], values[2::3], strict=True):
-            assert abs(measured / bound - ratio) < 0.01 + 0.01 * ratio
+            assert abs(measured / bound - ratio) < 0.02 + 0.01 * ratio  # cells are rounded
     at_5 = {r[1].strip(): r for r in rows[3:]}
     assert float(at_5["relay"][5]) > float(at_5["push"][5])  # 4 legs a token against 3
     # pipelined: a 2-chunk prompt's bound is below one chunk at a time
     assert float(at_5["relay"][11]) < float(at_5["sequential"][11])
     assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out
+
+
+def test_prefill_benchmark_pipelines_against_its_bound() -> None:
+    """The real `Pipeline` over emulated machines: pipelined beats one chunk at a time."""
+    out = run_tiny("prefill.py")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 512 |")]
+    assert len(rows) == 1
+    one, pipelined, bound = float(rows[0][4]), float(rows[0][5].split()[0]), float(rows[0][6])
+    assert pipelined < one and bound > 0
