@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from meshnet.entry.routes import StaticRoutes
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.wire import FrameMeta
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 from tests.entry.test_failover import kill_at
 from tests.entry.test_generation import collect
+from tests.entry.test_push import moved_off
 
 PARAMS = GenerationParams(6, (), SamplingParams(temperature=0.0))
 PROMPT = "abcdefghijklmnopqrstuvwxyz" * 3  # 78 tokens: 5 chunks of 16
@@ -69,12 +69,7 @@ def test_a_hop_failing_mid_prompt_moves_the_session_and_the_output_is_unchanged(
     kill_at(transport, address, position)
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == sequential()
-    assert len(end.failover_pauses_s) == 1
-    hops = [h.node_id for h in end.route][1:]
-    assert f"node-{address}" not in hops and len(hops) == 2
-    routes = generator.pipeline.routes
-    assert isinstance(routes, StaticRoutes) and routes.reported == [f"node-{address}"]
-    assert all(r.session_count() == 0 for name, r in runners.items() if name != address)
+    moved_off(generator, end, runners, address)
 
 
 def test_a_short_prompt_goes_as_one_chunk_as_before() -> None:

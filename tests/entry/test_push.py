@@ -41,6 +41,12 @@ def test_a_hop_failing_mid_push_costs_a_pause_and_nothing_else(address: str, pos
     kill_at(transport, address, position)
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free()
+    moved_off(generator, end, runners, address)
+
+
+def moved_off(generator: Any, end: Any, runners: dict[str, Any], address: str) -> None:
+    """The session left `address` once, for a whole route without it, which was reported;
+    every cache but the dead hop's is gone."""
     assert len(end.failover_pauses_s) == 1
     hops = [h.node_id for h in end.route][1:]
     assert f"node-{address}" not in hops and len(hops) == 2
