@@ -78,3 +78,17 @@ def test_a_short_prompt_goes_as_one_chunk_as_before() -> None:
     transport.before_frame = lambda address, meta: seen.append(meta)
     run(collect(generator, "abc", PARAMS))
     assert [(m.position, m.chunk_total) for m in seen[:2]] == [(0, 1), (0, 1)]
+
+
+def test_a_pushing_entry_keeps_only_the_first_hops_inputs_after_a_pipelined_prompt() -> None:
+    generator, _, _ = fake_mesh(chunk_tokens=16, push=True)
+    pipeline = generator.pipeline
+
+    async def prompt() -> list[int]:
+        session = await pipeline.open()
+        await pipeline.feed(session, list(range(1, 79)), lambda logits: 0)
+        held = [sum(t.shape[1] for t in pieces) for pieces in session.inputs]
+        await pipeline.close(session)
+        return held
+
+    assert run(prompt()) == [78, 0]

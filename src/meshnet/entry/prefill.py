@@ -63,6 +63,9 @@ async def pipelined(pipeline: Pipeline, session: PipelineSession, ids: list[int]
         last = chunk
     if last is None:
         raise ValueError("a pipelined prefill of no tokens")
+    if pipeline.push and len(session.hops) > 1:  # a pushed session keeps the first hop's
+        session.inputs[1:] = [[] for _ in session.hops[1:]]  # inputs only (ADR-0034)
+        session.recount()
     return last.hidden
 
 
