@@ -3,7 +3,7 @@
 Sent one chunk at a time through every hop, a prompt of n chunks over s stages (the entry's
 own span and each remote hop) costs n x s chunk times, and every stage but one idles. Here
 each stage is a worker with a queue: the entry's span runs the prompt in pieces of
-`piece_tokens` and queues each piece's wire chunks; each remote hop's worker takes chunks in
+`prefill_piece_tokens` and queues each piece's wire chunks; each remote hop's worker takes chunks in
 order, forwards them (relayed by the entry, as `Pipeline._hop` does for one chunk), records
 what its hop was sent, and queues the output for the next hop. So chunk i+1 is in hop 1 while
 chunk i is in hop 2, and a prompt costs about (n + s - 1) chunk times.
@@ -76,7 +76,7 @@ async def _local(
     out: Queue,
     kept: list[Chunk],
 ) -> None:
-    """The entry's span over `ids` in pieces of `piece_tokens`, each piece's wire chunks
+    """The entry's span over `ids` in pieces of `prefill_piece_tokens`, each piece's wire chunks
     queued for the first hop as soon as it is done (one compute-thread job a piece, so other
     sessions' decode steps run between pieces)."""
     step, size = pipeline.prefill_piece_tokens, pipeline.wire.chunk_tokens
