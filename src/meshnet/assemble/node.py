@@ -76,7 +76,7 @@ def node_service(
     return NodeService(
         [],
         WireLimits(),
-        WireConfig(),
+        WireConfig(encoding=config.wire_encoding),
         config.max_sessions,
         metrics=metrics,
         turns=host_turns(config.host_turns),
@@ -135,6 +135,7 @@ def build_app(
         tls=client_context(access.tls),
         inbox=service.inbox,
         peers=service.peers,
+        links=service.links,
         reply=Reply(NodeId(request.node_id), request.address),
     )
     member = Membership(request.node_id)  # its token comes with the registration

@@ -94,6 +94,7 @@ def build_tracker_node_app(
         tls=client_context(access.tls),
         inbox=service.inbox,
         peers=service.peers,
+        links=service.links,
         reply=Reply(NodeId(request.node_id), request.address),
     )
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed), request.node_id)

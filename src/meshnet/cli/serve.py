@@ -154,6 +154,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a node whose answer failed a spot check stays out of this entry's routes",
     )
     group.add_argument(
+        "--wire-encoding",
+        choices=["auto", "none", "zstd", "zstd-shuffle"],  # wire.compression.SENDER_CHOICES
+        default=default.wire_encoding,
+        help="how frames this process sends are encoded; auto compresses prefill chunks over "
+        "links measured slower than 600 Mbit/s (ADR-0037)",
+    )
+    group.add_argument(
         "--max-batch",
         type=int,
         default=default.max_batch,
@@ -237,6 +244,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "host_turns": args.host_turns,
         "max_batch": args.max_batch,
+        "wire_encoding": args.wire_encoding,
         "max_batch_tokens": args.max_batch_tokens,
         "batch_wait_s": args.batch_wait,
     }

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from meshnet.security.signing import Signer
 from meshnet.types import Hop, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING, LAYERS
+from meshnet.wire.links import LinkRates, hold_s
 from meshnet.wire.route import PushRoute, Reply
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,10 @@ class HttpTransport:
         inbox: Inbox | None = None,
         reply: Reply | None = None,
         peers: PeerTimes | None = None,
+        links: LinkRates | None = None,
     ) -> None:
         self.peers = peers or PeerTimes()  # the hops it sends to, pinged for their RTT
+        self.links = links or LinkRates()  # their links' rates, for `auto` (ADR-0037)
         self.wire = wire
         self.timeout_s = timeout_s
         self.inbox = inbox or Inbox()  # where pushed steps wait for their last hop (ADR-0034)
@@ -89,32 +93,17 @@ class HttpTransport:
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        self.peers.seen(hop.node_id, hop.address)
-        frame = encode(hidden, meta, self.wire)
-        data = bytes(frame.body)
-        proof = self.signer.headers("POST", "/forward", data, to=hop.node_id, headers=frame.headers)
-        headers = frame.headers | proof
-        self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
-        try:
-            async with self._session().post(
-                f"{hop.address}/forward", data=data, headers=headers
-            ) as response:
-                body = await bounded_read(hop, response, self.limits.max_body_bytes)
-                if response.status != 200:
-                    raise hop_error(hop, response.status, body)
-                self._check_signed(hop, headers, response, body)
-                output = checked_output(hop, response.headers, body, self.limits, meta, hidden)
-                received = response.headers.get(ENCODING, "none")
-                self.metrics.bytes_received.labels(received).inc(len(body))
-                return output
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
+        status, headers, body = await self._post(hop, meta, hidden, {}, self.limits.max_body_bytes)
+        if status != 200:
+            raise hop_error(hop, status, body)
+        output = checked_output(hop, headers, body, self.limits, meta, hidden)
+        self.metrics.bytes_received.labels(headers.get(ENCODING, "none")).inc(len(body))
+        return output
 
     async def push(self, hops: list[Hop], meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         if self.reply is None:
             raise HopError("this entry has no address to be pushed to", status=None, hop=hops[0])
         route = PushRoute(tuple(hops), self.reply)
-        self.peers.seen(hops[0].node_id, hops[0].address)
         proof = proof_for(self.signer, meta, route)
         waiter = self.inbox.expect(meta.session, meta.position, hops[-1].span, tuple(hidden.shape))
         sent = replace(meta, span=hops[0].span)
@@ -142,21 +131,40 @@ class HttpTransport:
     ) -> None:
         """The call to the route's first hop; returns once the chain answered it."""
         first = route.hops[0]
-        frame = encode(hidden, meta, self.wire)
+        extra = route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
+        status, _, body = await self._post(first, meta, hidden, extra, MAX_ANSWER_BYTES)
+        if status != 200:
+            raise blamed(route, passed_back(first.node_id, status, body))
+
+    async def _post(
+        self,
+        hop: Hop,
+        meta: FrameMeta,
+        hidden: torch.Tensor,
+        extra: dict[str, str],
+        max_bytes: int,
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """POST one signed frame to `hop`'s `/forward`: its answer's status, headers and body
+        (at most `max_bytes`). A 200 answer is checked signed and times the link (ADR-0037)."""
+        self.peers.seen(hop.node_id, hop.address)
+        frame = encode(hidden, meta, self.wire, self.links.bytes_per_s(hop.node_id))
         data = bytes(frame.body)
-        headers = frame.headers | route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
-        headers |= self.signer.headers("POST", "/forward", data, to=first.node_id, headers=headers)
+        headers = frame.headers | extra
+        headers |= self.signer.headers("POST", "/forward", data, to=hop.node_id, headers=headers)
         self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
+        sent_s = time.perf_counter()
         try:
             async with self._session().post(
-                f"{first.address}/forward", data=data, headers=headers
+                f"{hop.address}/forward", data=data, headers=headers
             ) as response:
-                body = await bounded_read(first, response, MAX_ANSWER_BYTES)
-                if response.status != 200:
-                    raise blamed(route, passed_back(first.node_id, response.status, body))
-                self._check_signed(first, headers, response, body)
+                body = await bounded_read(hop, response, max_bytes)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise HopError(f"hop {first} failed: {exc!r}", status=None, hop=first) from exc
+            raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
+        if response.status == 200:
+            self._check_signed(hop, headers, response, body)
+            took_s = time.perf_counter() - sent_s
+            self.links.record(hop.node_id, len(data) + len(body), took_s, hold_s(response.headers))
+        return response.status, response.headers, body
 
     def _check_signed(
         self, hop: Hop, sent: dict[str, str], response: aiohttp.ClientResponse, body: bytes

@@ -11,6 +11,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -43,8 +44,9 @@ from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import SessionId, is_valid_id
-from meshnet.wire import FrameMeta, decode, encode, require_finite
+from meshnet.wire import FrameMeta, compression, decode, encode, require_finite
 from meshnet.wire import headers as h
+from meshnet.wire.links import LinkRates, hold_header
 from meshnet.wire.route import budget_ms, parse_route
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,9 @@ class NodeService:
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
         # pushed frames (ADR-0034): sent on by `forwarder`; an entry's steps wait in `inbox`
         self.peers = PeerTimes()  # round trips to the tracker and peers, for route choice
+        self.links = LinkRates()  # rates of the links frames go out on, for `auto` (ADR-0037)
         self.forwarder = Forwarder(
-            node_id, signer or Signer(None), wire, self.metrics, tls, self.peers
+            node_id, signer or Signer(None), wire, self.metrics, tls, self.peers, self.links
         )
         self.inbox = Inbox()
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
@@ -121,6 +124,8 @@ class NodeService:
     def _sample(self) -> None:
         self.metrics.sessions_active.set(self.shards.session_count())
         self.metrics.kv_cache_bytes.set(self.shards.cache_bytes())
+        for peer, mbit_s in self.links.report_mbit_s().items():
+            self.metrics.link_mbit_s.labels(peer).set(mbit_s)
 
     def session_count(self) -> int:
         return self.shards.session_count()
@@ -140,6 +145,7 @@ class NodeService:
     async def forward(self, request: Request) -> Response:
         started = time.perf_counter()
         body = await read_body(request, self.limits.max_body_bytes)
+        received = time.perf_counter()  # answers say how long we held the frame (ADR-0037)
         meta, hidden = decode(request.headers, body, self.limits)
         encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
         self.metrics.bytes_received.labels(encoding).inc(len(body))
@@ -153,12 +159,15 @@ class NodeService:
             out = await self._run(meta, hidden)
             self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)
             if route is not None:
-                return JSONResponse(await self.forwarder.send_on(route, meta, out, budget, started))
-        encoded = encode(out, meta, self.wire)
+                answer = await self.forwarder.send_on(route, meta, out, budget, started)
+                return JSONResponse(answer, headers=hold_header(received, time.perf_counter()))
+        wire = replace(self.wire, encoding=compression.answering(self.wire.encoding, encoding))
+        encoded = encode(out, meta, wire)
         self.metrics.bytes_sent.labels(encoded.headers.get(h.ENCODING, "none")).inc(
             len(encoded.body)
         )
-        return Response(bytes(encoded.body), headers=encoded.headers, media_type=h.OCTET_STREAM)
+        headers = encoded.headers | hold_header(received, time.perf_counter())
+        return Response(bytes(encoded.body), headers=headers, media_type=h.OCTET_STREAM)
 
     async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         runner = self.shards.get(meta.model, meta.span)
@@ -172,10 +181,12 @@ class NodeService:
     async def pushed(self, request: Request) -> Response:
         """`POST /push`: the last hop of a pushed step posts its output here (the entry)."""
         body = await read_body(request, self.limits.max_body_bytes)
+        received = time.perf_counter()
         meta, hidden = decode(request.headers, body, self.limits)
         require_finite(hidden)
         self.inbox.deliver(meta, hidden)
-        return JSONResponse({"received": meta.position})
+        held = hold_header(received, time.perf_counter())
+        return JSONResponse({"received": meta.position}, headers=held)
 
     async def run_frame(
         self, runner: ShardRunner, meta: FrameMeta, hidden: torch.Tensor

@@ -34,6 +34,7 @@ from meshnet.security.signing import Signer
 from meshnet.security.swarm import route_proof
 from meshnet.types import Hop, LayerSpan, SessionId
 from meshnet.wire import FrameMeta, encode
+from meshnet.wire.links import LinkRates, hold_s
 from meshnet.wire.route import ROUTE, ROUTE_PROOF, PushRoute, route_text
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,11 @@ class Forwarder:
         metrics: Metrics,
         tls: ssl.SSLContext | None = None,
         peers: PeerTimes | None = None,
+        links: LinkRates | None = None,
     ) -> None:
         self.node_id = node_id
         self.peers = peers or PeerTimes()  # the next hops it sends to, pinged for their RTT
+        self.links = links or LinkRates()  # their links' rates, for `auto` (ADR-0037)
         self.signer = signer
         self.wire = wire
         self.metrics = metrics
@@ -132,7 +135,7 @@ class Forwarder:
         extra: dict[str, str],
         timeout_s: float,
     ) -> None:
-        frame = encode(out, meta, self.wire)
+        frame = encode(out, meta, self.wire, self.links.bytes_per_s(target.node_id))
         data = bytes(frame.body)
         headers = frame.headers | extra
         headers |= self.signer.headers("POST", path, data, to=target.node_id, headers=headers)
@@ -140,6 +143,7 @@ class Forwarder:
             len(data)
         )
         failed = target.node_id
+        sent_s = time.perf_counter()
         try:
             async with self._session().post(
                 f"{target.address}{path}",
@@ -151,6 +155,8 @@ class Forwarder:
                 if response.status != 200:
                     raise passed_back(failed, response.status, body)
                 self.signer.check_answer(headers, response.status, response.headers.items(), body)
+                took_s, held_s = time.perf_counter() - sent_s, hold_s(response.headers)
+                self.links.record(target.node_id, len(data) + len(body), took_s, held_s)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise PushError(f"{failed} failed: {exc!r}", failed=failed, status=None) from exc
         except AuthError as exc:  # an unsigned or forged answer: that node's failure

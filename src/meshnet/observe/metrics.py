@@ -65,6 +65,12 @@ class Metrics:
         self.bytes_received = Counter(
             "meshnet_bytes_received", "Activation-frame bytes received", ["encoding"], registry=r
         )
+        self.link_mbit_s = Gauge(
+            "meshnet_link_mbit_per_second",
+            "Measured rate of the link to a peer frames go to (ADR-0037)",
+            ["peer"],
+            registry=r,
+        )
         self.failovers = Counter(
             "meshnet_failovers", "Hops replaced mid-session by this entry node", registry=r
         )

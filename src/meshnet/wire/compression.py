@@ -34,14 +34,34 @@ _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 _decompressor = zstandard.ZstdDecompressor()
 
 
-def choose(encoding: str, payload_bytes: int, auto_min_bytes: int) -> str:
-    """Resolve a sender's choice (`auto` included) to a wire encoding for this payload."""
+def choose(
+    encoding: str,
+    payload_bytes: int,
+    auto_min_bytes: int,
+    link_bytes_per_s: float | None = None,
+    compress_below_bytes_per_s: float = 75e6,
+) -> str:
+    """Resolve a sender's choice (`auto` included) to a wire encoding for this payload.
+
+    `auto` (ADR-0037): a decode step (2 x hidden bytes, under `auto_min_bytes`) costs more
+    to compress than to send; a larger payload is compressed unless the link to its
+    receiver was measured at `compress_below_bytes_per_s` or faster, where compressing and
+    decompressing cost more time than the bytes saved. Not measured yet: compressed.
+    """
     if encoding not in SENDER_CHOICES:
         raise ValueError(f"unknown encoding {encoding!r}; choose one of {SENDER_CHOICES}")
     if encoding != AUTO:
         return encoding
-    # A decode step is 2 x hidden bytes: compressing it costs more than sending it.
-    return ZSTD_SHUFFLE if payload_bytes >= auto_min_bytes else NONE
+    if payload_bytes < auto_min_bytes:
+        return NONE
+    fast = link_bytes_per_s is not None and link_bytes_per_s >= compress_below_bytes_per_s
+    return NONE if fast else ZSTD_SHUFFLE
+
+
+def answering(choice: str, request_encoding: str) -> str:
+    """A receiver's choice for its answer: under `auto`, the request's own encoding (the
+    same shape over the same link, judged by the sender, who measures that link)."""
+    return request_encoding if choice == AUTO else choice
 
 
 def shuffle(payload: memoryview) -> np.ndarray:

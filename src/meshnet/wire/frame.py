@@ -41,15 +41,27 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(bf16.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def encode(tensor: torch.Tensor, meta: h.FrameMeta, config: WireConfig = WireConfig()) -> Encoded:
-    """Encode a `[batch, tokens, hidden]` float tensor and its metadata as one frame."""
+def encode(
+    tensor: torch.Tensor,
+    meta: h.FrameMeta,
+    config: WireConfig = WireConfig(),
+    link_bytes_per_s: float | None = None,
+) -> Encoded:
+    """Encode a `[batch, tokens, hidden]` float tensor and its metadata as one frame;
+    `link_bytes_per_s`: the measured rate of the link it goes over (for `auto`)."""
     if tensor.dim() != 3 or not tensor.is_floating_point():
         raise ValueError(
             f"expected a float [batch, tokens, hidden] tensor, got "
             f"{tensor.dtype} {tuple(tensor.shape)}"
         )
     payload = tensor_bytes(tensor)
-    encoding = compression.choose(config.encoding, len(payload), config.auto_min_bytes)
+    encoding = compression.choose(
+        config.encoding,
+        len(payload),
+        config.auto_min_bytes,
+        link_bytes_per_s,
+        config.auto_compress_below_mbit_s * 1e6 / 8,
+    )
     headers = {
         h.VERSION: h.WIRE_VERSION,
         h.CONTENT_TYPE: h.OCTET_STREAM,

@@ -24,6 +24,7 @@ CHUNK_TOTAL = "X-Meshnet-Chunk-Total"
 MODEL = "X-Meshnet-Model"
 LAYERS = "X-Meshnet-Layers"
 POSITION = "X-Meshnet-Position"
+HOLD = "X-Meshnet-Hold-Ms"  # answers: ms the receiver held the frame (ADR-0037)
 CONTENT_TYPE = "Content-Type"
 OCTET_STREAM = "application/octet-stream"
 
