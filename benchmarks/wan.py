@@ -2,6 +2,7 @@
 
     python benchmarks/wan.py          # {0, 5, 25, 50} ms x {unlimited, 100 Mbit/s}, int8
     python benchmarks/wan.py --tiny   # 0 and 5 ms, unlimited, fp32, short prompts (the tests)
+    python benchmarks/wan.py --compare encodings [--tiny]   # `auto` against none and zstd
 
 A tracker-as-entry-node (layers 0:10), two nodes (10:20, 20:30) and two more entries (0:10),
 real processes. Each node registers `--public-address` pointing at its own proxy, so every
@@ -30,15 +31,13 @@ all stages share one machine's cores, which the pipelined bound does not charge.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import statistics
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -47,100 +46,46 @@ from meshnet.models.loader import load_tokenizer
 from meshnet.models.source import resolve
 from pipeline import free_port, prompts_for, running, wait_routable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.e2e.slowlink import Link, LinkProxy  # noqa: E402
+
 HIDDEN_BYTES = 576 * 2  # one token's activations on the wire (bf16)
 FRAME_OVERHEAD = 600  # request line and headers, each way (measured: ~550 bytes)
 CHUNK = 128  # prefill tokens a frame
 
 
-@dataclass
-class Link:
-    """One emulated link: one-way delay and rate, changeable while it carries traffic."""
-
-    delay_s: float = 0.0
-    rate_bps: float | None = None  # bits per second; None = unlimited
-
-
-class LinkProxy:
-    """A TCP proxy on 127.0.0.1 that delays and paces bytes both ways (its own thread)."""
-
-    def __init__(self, upstream_port: int, link: Link) -> None:
-        self.upstream_port = upstream_port
-        self.link = link
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        threading.Thread(target=self._run, args=(started,), daemon=True).start()
-        started.wait()
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._connect, "127.0.0.1", self.port)
-        )
-        started.set()
-        self.loop.run_forever()
-
-    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bytes from `reader` reach `writer` `delay` later, no faster than the rate."""
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-        sender = asyncio.create_task(self._send(queue, writer))
-        free_at = 0.0  # when the link finishes serializing what it was given so far
-        try:
-            while data := await reader.read(65536):
-                now = time.monotonic()
-                rate = self.link.rate_bps
-                free_at = max(free_at, now) + (len(data) * 8 / rate if rate else 0.0)
-                queue.put_nowait((free_at + self.link.delay_s, data))
-        except OSError:
-            pass
-        queue.put_nowait((0.0, b""))  # end of stream
-        await sender
-
-    async def _send(
-        self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
-    ) -> None:
-        while True:
-            due, data = await queue.get()
-            if not data:
-                break
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            try:
-                writer.write(data)
-                await writer.drain()
-            except OSError:
-                break
-        writer.close()
+# the entries each comparison runs: flags of its two `node --entry`s, and the tracker's name
+DESIGNS = {"sequential": ["--no-push", "--no-pipelined-prefill"], "push": ["--push"]}
+ENCODINGS = {e: ["--no-push", "--wire-encoding", e] for e in ("none", "zstd-shuffle")}
+COMPARISONS = {
+    "designs": (DESIGNS, "relay", ("sequential", "relay", "push")),
+    "encodings": (ENCODINGS, "auto", ("none", "zstd-shuffle", "auto")),
+}
 
 
 @contextmanager
-def mesh(logs: Path, quant: str, link: Link) -> Iterator[dict[str, str]]:
+def mesh(
+    logs: Path, quant: str, link: Link, compare: str
+) -> Iterator[tuple[dict[str, str], list[str]]]:
     """Three entries of layers 0:10 over the same nodes 10:20 and 20:30, one per mode (see
     the module's docstring). Every process is reached by its peers through its own proxy on
     `link` (an entry too: the last hop's pushed answer crosses a link), while clients and
-    heartbeats reach the tracker directly. The entries' URLs by mode."""
+    heartbeats reach the tracker directly. The entries' URLs by mode, and the nodes' URLs."""
+    entries, tracker_mode, order = COMPARISONS[compare]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MESHNET_SWARM_KEY": secrets.token_hex(32)}
     common = ["--quant", quant, "--spot-check-rate", "0"]
     commands = [["tracker", "--port", str(port), "--layers", "0:10", *common, "--no-push"]]
     commands[0] += ["--data-dir", str(logs / "tracker")]
-    for i, span in enumerate(["10:20", "20:30"]):
-        node_port = free_port()
+    node_ports = [free_port(), free_port()]
+    for i, (span, node_port) in enumerate(zip(["10:20", "20:30"], node_ports, strict=True)):
         proxy = LinkProxy(node_port, link)
         commands.append(
             ["node", "--tracker", url, "--port", str(node_port), "--layers", span, *common]
             + ["--no-entry", "--public-address", f"http://127.0.0.1:{proxy.port}"]
             + ["--data-dir", str(logs / f"node{i}")]
         )
-    entries = {"sequential": ["--no-push", "--no-pipelined-prefill"], "push": ["--push"]}
     ports = {mode: free_port() for mode in entries}
     for mode, flags in entries.items():
         proxy = LinkProxy(ports[mode], link)
@@ -155,7 +100,9 @@ def mesh(logs: Path, quant: str, link: Link) -> Iterator[dict[str, str]]:
         for entry_url in urls.values():
             with httpx.Client(base_url=entry_url, timeout=600) as client:
                 wait_answers(client)
-        yield {"sequential": urls["sequential"], "relay": url, "push": urls["push"]}
+        nodes = [f"http://127.0.0.1:{p}" for p in node_ports]
+        urls[tracker_mode] = url
+        yield {mode: urls[mode] for mode in order}, nodes
 
 
 def wait_answers(client: httpx.Client, timeout_s: float = 120.0) -> None:
@@ -182,23 +129,29 @@ def timed(client: httpx.Client, text: str, tokens: int) -> float:
     return took
 
 
-def bytes_sent(client: httpx.Client) -> float:
-    """Activation bytes the entry has sent to its hops so far (`/metrics`, all encodings)."""
-    lines = client.get("/metrics").text.splitlines()
+def bytes_sent(url: str) -> float:
+    """Activation bytes a process has sent so far (`/metrics`, all encodings)."""
+    lines = httpx.get(f"{url}/metrics", timeout=60).text.splitlines()
     return sum(float(x.split()[-1]) for x in lines if x.startswith("meshnet_bytes_sent_total"))
 
 
-def traffic(url: str, prompts: dict[int, str], tokens: int) -> tuple[float, float]:
-    """Bytes the entry sends per decode token, and per prompt of the longest length."""
+def traffic(url: str, nodes: list[str], prompts: dict[int, str], tokens: int) -> list[float]:
+    """Bytes the entry at `url`, then all `nodes` together, send per decode token and per
+    prompt of the longest length (entry's token, nodes' token, entry's prompt, nodes')."""
+    senders = [[url], nodes]
     with httpx.Client(base_url=url, timeout=600) as client:
-        start = bytes_sent(client)
+        start = [sum(map(bytes_sent, group)) for group in senders]
         timed(client, prompts[max(prompts)], 1)
-        long_done = bytes_sent(client)
+        long_done = [sum(map(bytes_sent, group)) for group in senders]
         timed(client, prompts[16], 1)
-        short_done = bytes_sent(client)
+        short_done = [sum(map(bytes_sent, group)) for group in senders]
         timed(client, prompts[16], tokens + 1)
-        decoded = bytes_sent(client) - short_done - (short_done - long_done)  # less its prompt
-    return decoded / tokens, long_done - start
+        ended = [sum(map(bytes_sent, group)) for group in senders]
+    # a decode token: the long request less its prompt (what the short one sent)
+    per_token = [
+        (e - 2 * s + d) / tokens for e, s, d in zip(ended, short_done, long_done, strict=True)
+    ]
+    return [*per_token, *(d - s for d, s in zip(long_done, start, strict=True))]
 
 
 def measure(
@@ -210,7 +163,8 @@ def measure(
     samples: dict[str, dict[str, list[float]]] = {m: {} for m in urls}
     try:
         for client in clients.values():
-            timed(client, prompts[16], 2)  # warm-up
+            timed(client, prompts[16], 2)  # warm-up, and `auto` measures the link anew
+            timed(client, prompts[max(prompts)], 1)
         for _ in range(repeats):
             for mode, client in clients.items():
                 for n, text in prompts.items():
@@ -252,28 +206,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="int8")
-    parser.add_argument(
-        "--mode", choices=["sequential", "relay", "push", "all"], default=["all"], nargs="+"
-    )
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="designs")
+    parser.add_argument("--mode", default=["all"], nargs="+", help="of the comparison's three")
     parser.add_argument("--lengths", default="16,512,2048", help="prompt lengths for TTFT")
     parser.add_argument("--delays", default="0,5,25,50", help="one-way delays (ms) per link")
     parser.add_argument("--rates", default="0,100", help="link rates (Mbit/s, 0: unlimited)")
     args = parser.parse_args()
-    tiny = args.tiny
+    tiny, designs = args.tiny, args.compare == "designs"
+    if tiny:  # encodings: loopback against a link slow enough to pay for compression
+        args.delays, args.rates = ("0,5", "0") if designs else ("0", "0,20")
     lengths = [16, 160] if tiny else [int(n) for n in args.lengths.split(",")]  # 160: 2 chunks
     tokens, repeats = (4, 1) if tiny else (args.tokens, args.repeats)
-    delays = [0.0, 5.0] if tiny else [float(d) for d in args.delays.split(",")]
-    rates: list[float | None] = (
-        [None] if tiny else [float(r) * 1e6 if float(r) else None for r in args.rates.split(",")]
-    )
+    delays = [float(d) for d in args.delays.split(",")]
+    rates = [float(r) * 1e6 if float(r) else None for r in args.rates.split(",")]
     prompts = prompts_for(load_tokenizer(resolve("default")), lengths)
+    print(designs_head(lengths) if designs else encodings_head(lengths))
     link = Link()
-    heads = " | ".join(f"TTFT {n} ms | bound | x bound" for n in lengths)
-    print(f"| mode | one-way delay | link | decode ms/token | bound | x bound | {heads} |")
-    print("|---|---:|---|---:|---:|---:|" + "---:|---:|---:|" * len(lengths))
     with (
         tempfile.TemporaryDirectory(prefix="meshnet-wan-") as logs,
-        mesh(Path(logs), "fp32" if tiny else args.quant, link) as urls,
+        mesh(Path(logs), "fp32" if tiny else args.quant, link, args.compare) as (urls, nodes),
     ):
         urls = {m: u for m, u in urls.items() if {m, "all"} & set(args.mode)}
         base: dict[str, dict[str, float]] = {}
@@ -283,14 +234,48 @@ def main() -> None:
                 rows = measure(urls, prompts, tokens, repeats)
                 base = base or rows  # the first row's compute (0 ms, unlimited)
                 for mode, row in rows.items():
-                    print(line(mode, link, row, base, lengths), flush=True)
-        link.delay_s, link.rate_bps = 0.0, None
-        for mode, url in urls.items():
-            per_token, per_prompt = traffic(url, prompts, tokens)
-            print(
-                f"\n{mode}: activation bytes the entry sends to its hops: {per_token:,.0f} a "
-                f"decode token, {per_prompt:,.0f} for a {max(lengths)}-token prompt"
-            )
+                    if designs:
+                        print(line(mode, link, row, base, lengths), flush=True)
+                    else:
+                        sent = traffic(urls[mode], nodes, prompts, tokens)
+                        print(encodings_line(mode, link, row, lengths, sent), flush=True)
+        if designs:
+            link.delay_s, link.rate_bps = 0.0, None
+            for mode, url in urls.items():
+                per_token, _, per_prompt, _ = traffic(url, nodes, prompts, tokens)
+                print(
+                    f"\n{mode}: activation bytes the entry sends to its hops: {per_token:,.0f} a "
+                    f"decode token, {per_prompt:,.0f} for a {max(lengths)}-token prompt"
+                )
+
+
+def designs_head(lengths: list[int]) -> str:
+    heads = " | ".join(f"TTFT {n} ms | bound | x bound" for n in lengths)
+    return (
+        f"| mode | one-way delay | link | decode ms/token | bound | x bound | {heads} |\n"
+        + "|---|---:|---|---:|---:|---:|"
+        + "---:|---:|---:|" * len(lengths)
+    )
+
+
+def encodings_head(lengths: list[int]) -> str:
+    heads = " | ".join(f"TTFT {n} ms" for n in lengths)
+    n = max(lengths)
+    return (
+        f"| entry encoding | one-way delay | link | decode ms/token | {heads} | entry sends a "
+        f"token | hops send a token | entry sends a {n}-token prompt | hops send it |\n"
+        + "|---|---:|---|---:|"
+        + "---:|" * (len(lengths) + 4)
+    )
+
+
+def encodings_line(
+    mode: str, link: Link, row: dict[str, float], lengths: list[int], sent: list[float]
+) -> str:
+    rate = f"{link.rate_bps / 1e6:.0f} Mbit/s" if link.rate_bps else "unlimited"
+    cells = [f"{row['decode_ms']:.1f}", *(f"{1000 * row[f'ttft_{n}']:.0f}" for n in lengths)]
+    cells += [f"{b:,.0f}" for b in sent]
+    return f"| {mode} | {1000 * link.delay_s:.0f} ms | {rate} | " + " | ".join(cells) + " |"
 
 
 def line(

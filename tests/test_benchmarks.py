@@ -11,9 +11,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_tiny(name: str, timeout_s: float = 300) -> str:
+def run_tiny(name: str, timeout_s: float = 300, *flags: str) -> str:
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), "--tiny"],
+        [sys.executable, str(BENCHMARKS / name), "--tiny", *flags],
         check=False,
         capture_output=True,
         text=True,
@@ -148,6 +148,26 @@ def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
     # pipelined: a 2-chunk prompt's bound is below one chunk at a time
     assert float(at_5["relay"][11]) < float(at_5["sequential"][11])
     assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out
+
+
+def test_wan_benchmark_shows_auto_compressing_only_over_the_slow_link() -> None:
+    """ADR-0037 end to end: three entries (none, zstd-shuffle, auto) over the same hops, on
+    loopback and at 20 Mbit/s; `auto` sends raw bytes on loopback and compresses its prompt
+    chunks on the slow link, and the hops answer in kind."""
+    out = run_tiny("wan.py", 300, "--compare", "encodings")
+    rows = [line.split("|") for line in out.splitlines() if " ms | " in line][1:]  # no head
+    cells = {
+        (r[1].strip(), r[3].strip()): [float(c.replace(",", "")) for c in r[4:-1]] for r in rows
+    }
+    assert len(cells) == len(rows) == 6
+    for link in ("unlimited", "20 Mbit/s"):  # what each sends: none's 2 hops x 160 x 1152
+        assert cells[("none", link)][-2:] == [368_640, 368_640]
+        assert all(b < 300_000 for b in cells[("zstd-shuffle", link)][-2:])
+        assert all(v > 0 for v in cells[("auto", link)][:3])  # decode ms, TTFT 16 and 160
+    assert cells[("auto", "unlimited")][-4:] == cells[("none", "unlimited")][-4:]
+    auto_slow = cells[("auto", "20 Mbit/s")]
+    assert auto_slow[-4:-2] == [2304, 2304]  # decode steps stay raw on any link
+    assert all(b < 0.9 * 368_640 for b in auto_slow[-2:])  # its 128-token chunk compressed
 
 
 def test_prefill_benchmark_pipelines_against_its_bound() -> None:

@@ -85,6 +85,20 @@ def test_good_frame_round_trips_through_http() -> None:
     assert torch.equal(y, x.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("sent", ["none", "zstd", "zstd-shuffle"])
+def test_an_auto_node_answers_in_the_encoding_it_was_sent_and_says_its_hold(sent: str) -> None:
+    """ADR-0037: the sender measured the link, so under `auto` the answer mirrors it; the
+    hold time lets the sender take the hop's own time out of what it measured."""
+    app = create_app(EchoRunner(ModelId("default"), SPAN))
+    x = torch.randn(1, 200, 576)
+    frame = encode(x, META, WireConfig(encoding=sent))
+    response = run(post(app, frame.headers, bytes(frame.body)))
+    assert response.status_code == 200
+    assert response.headers.get(h.ENCODING, "none") == sent
+    assert 0 <= float(response.headers[h.HOLD]) < 10_000  # ms
+    assert torch.equal(decode(response.headers, response.content)[1], x.to(torch.bfloat16))
+
+
 def test_chunk_totals_must_stay_consistent_within_a_session() -> None:
     app = create_app(EchoRunner(ModelId("default"), SPAN))
     x = torch.randn(1, 2, 16)

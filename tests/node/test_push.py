@@ -74,6 +74,9 @@ def test_a_pushed_step_comes_back_from_the_last_hop_and_every_hop_keeps_its_cach
         assert torch.equal(outs[0], prompt) and torch.equal(outs[1], step)  # echo hops
         assert services["n-1"].session_count() == services["n-2"].session_count() == 1
         assert services["n-2"].forwarder.routes  # the route each session started with
+        # each sender timed its link from the answer's hold time (ADR-0037)
+        assert "n-2" in services["n-1"].links.links and "n-0" in services["n-2"].links.links
+        assert "n-1" in transport.links.links
 
 
 @pytest.mark.parametrize("dead", ["n-1", "n-2"])
