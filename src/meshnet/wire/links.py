@@ -3,8 +3,8 @@
 Every answer to a frame says how long the receiver held it (`X-Meshnet-Hold-Ms`: from the
 request's last byte read to its answer ready, compute and any pushed chain after it). What
 is left of the sender's elapsed time is the link's: one round trip plus the bytes both ways
-at the link rate. Small frames (decode steps, 2 x hidden bytes) give the round trip; large
-ones (prefill chunks) then give the rate:
+at the link rate. Small frames (decode steps, 2 x hidden bytes) give the round trip (the
+median of the last 16); large ones (prefill chunks) then give the rate (the median of 5):
 
     rate = (request bytes + answer bytes) / (transfer - round trip)
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from meshnet.wire.headers import HOLD
 
 RATE_MIN_BYTES = 32 * 1024  # frames at least this large (both ways) measure the rate
-MIN_SAMPLES = 16  # the round trip is the least transfer of the last this many small frames
+MIN_SAMPLES = 16  # the round trip is the median transfer of the last this many small frames
 RATE_SAMPLES = 5  # the rate is the median of the last this many large frames
 MAX_LINKS = 64  # peers remembered; the least recently measured go first
 MAX_HOLD_MS = 10_000_000.0  # a larger (or unparsable) hold is no measurement
@@ -38,7 +38,9 @@ class Link:
     def bytes_per_s(self) -> float | None:
         if not self.small_s or not self.large:
             return None
-        round_trip_s = min(self.small_s)
+        # the median: jitter is on both sides of it, as on the large frames (the least
+        # small frame made a fast link with jitter read as a slow one)
+        round_trip_s = statistics.median(self.small_s)
         # a large frame no slower than the round trip crossed a link too fast to time: 10 GB/s
         rates = [n / max(t - round_trip_s, n / 1e10) for n, t in self.large]
         return statistics.median(rates)
