@@ -112,6 +112,11 @@ class EntryConfig:
     # tokens, each sent on as soon as it is done
     pipelined_prefill: bool = True
     prefill_piece_tokens: int = 512
+    # speculative decoding (ADR-0038): `lookup` drafts tokens from the text so far and
+    # verifies up to max_draft_tokens of them through the mesh in one frame; `none` decodes
+    # one token a trip
+    draft: str = "none"
+    max_draft_tokens: int = 8
 
 
 @dataclass(frozen=True)

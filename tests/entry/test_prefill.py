@@ -43,8 +43,10 @@ def test_the_entrys_span_runs_in_pieces_each_sent_on_when_done() -> None:
     events: list[tuple[str, int]] = []
     local_pass = pipeline.local_pass
 
-    async def logged(session: Any, ids: list[int], position: int, pick: Any = None) -> Any:
-        out = await local_pass(session, ids, position, pick)
+    async def logged(
+        session: Any, ids: list[int], position: int, pick: Any = None, rows: int = 1
+    ) -> Any:
+        out = await local_pass(session, ids, position, pick, rows)
         events.append(("local", position))
         return out
 

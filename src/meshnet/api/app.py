@@ -334,5 +334,7 @@ def _finish(body: dict[str, Any], choice: dict[str, Any], end: Finished | None) 
             "time_to_first_token_s": round(end.first_token_s, 4),
             "decode_tokens_per_s": round(end.decode_tokens_per_s, 2),
             "failover_pauses_s": [round(p, 4) for p in end.failover_pauses_s],
+            "draft_tokens": end.drafted_tokens,
+            "accepted_draft_tokens": end.accepted_tokens,
         }
     return body

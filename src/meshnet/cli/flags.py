@@ -48,6 +48,13 @@ def parse_fraction(text: str) -> float:
     return value
 
 
+def parse_draft_tokens(text: str) -> int:
+    """`8` -> 8; a rewind drops at most 64 tokens, the last accepted one and 63 drafts."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 63:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 63, got {text!r}")
+    return int(text)
+
+
 def add_log_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """Log flags, accepted before or after the command (after wins)."""
     level: Any = "INFO" if defaults else argparse.SUPPRESS

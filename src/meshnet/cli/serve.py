@@ -9,7 +9,7 @@ import socket
 from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
-from meshnet.cli.flags import parse_bytes, parse_fraction
+from meshnet.cli.flags import parse_bytes, parse_draft_tokens, parse_fraction
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
 from meshnet.types import QUANTS
@@ -141,6 +141,19 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "needs a swarm key and --spot-check-rate 0",
     )
     group.add_argument(
+        "--draft",
+        choices=["none", "lookup"],
+        default=entry.draft,
+        help="speculative decoding (ADR-0038): lookup drafts tokens from the prompt and output "
+        "so far and verifies them through the mesh in one frame; output is unchanged",
+    )
+    group.add_argument(
+        "--max-draft-tokens",
+        type=parse_draft_tokens,
+        default=entry.max_draft_tokens,
+        help="drafts verified in one frame at most (1-63); the entry adapts below it",
+    )
+    group.add_argument(
         "--pipelined-prefill",
         action=argparse.BooleanOptionalAction,
         default=entry.pipelined_prefill,
@@ -258,6 +271,8 @@ def entry_config(args: argparse.Namespace) -> EntryConfig:
         spot_check_ban_s=args.spot_check_ban,
         push=args.push,
         pipelined_prefill=args.pipelined_prefill,
+        draft=args.draft,
+        max_draft_tokens=args.max_draft_tokens,
     )
 
 

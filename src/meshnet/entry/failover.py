@@ -26,7 +26,8 @@ from meshnet.types import Hop
 from meshnet.wire import FrameMeta, split_prefill
 
 if TYPE_CHECKING:
-    from meshnet.entry.pipeline import Pipeline, PipelineSession
+    from meshnet.entry.pipeline import Pipeline
+    from meshnet.entry.session import PipelineSession
 
 log = logging.getLogger(__name__)
 

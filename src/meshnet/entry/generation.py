@@ -17,7 +17,9 @@ from functools import partial
 
 import torch
 
-from meshnet.entry.pipeline import Pipeline, PipelineSession
+from meshnet.entry.pipeline import Pipeline
+from meshnet.entry.session import PipelineSession
+from meshnet.entry.speculation import Rounds
 from meshnet.errors import RequestError
 from meshnet.observe.logs import current_session
 from meshnet.observe.metrics import Metrics
@@ -42,6 +44,7 @@ class Generator:
         rng: random.Random,
         metrics: Metrics | None = None,
         on_end: Callable[[msg.RequestSummary], object] = lambda summary: None,
+        max_drafts: int = 0,
     ) -> None:
         self.pipeline = pipeline
         self.codec = codec
@@ -49,6 +52,7 @@ class Generator:
         self.rng = rng  # seeds requests that give none
         self.metrics = metrics or Metrics()
         self.on_end = on_end  # gets a summary of every request, finished or failed
+        self.max_drafts = max_drafts  # drafts verified a round at most; 0: no speculation
 
     @property
     def model(self) -> str:
@@ -97,17 +101,24 @@ class Generator:
         state = Decoding()
         generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
         pick = partial(sample, params=params.sampling, generator=generator)
-        token = await self.pipeline.feed(session, prompt, pick)  # sampled on the compute thread
+        rounds = Rounds(self.pipeline, params.sampling, generator, self.max_drafts)
+        fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
-        while True:
-            state.first_s = state.first_s or time.perf_counter() - started
-            delta = state.accept(token, self.codec, params)
-            tokens.inc(token not in self.codec.eos_token_ids)
-            if delta:
-                yield Delta(delta)
-            if state.reason is not None:
-                break
-            token = await self.pipeline.feed(session, [token], pick)
+        while state.reason is None:
+            for token in fresh:  # a round gives one token, or several verified drafts
+                state.first_s = state.first_s or time.perf_counter() - started
+                delta = state.accept(token, self.codec, params)
+                tokens.inc(token not in self.codec.eos_token_ids)
+                if delta:
+                    yield Delta(delta)
+                if state.reason is not None:
+                    break
+            else:
+                fresh = await rounds.next(
+                    session, fresh[-1], params.max_tokens - len(state.generated)
+                )
+        self.metrics.draft_tokens.labels(self.model).inc(rounds.drafted)
+        self.metrics.accepted_tokens.labels(self.model).inc(rounds.accepted)
         yield Finished(
             state.reason,
             len(prompt),
@@ -117,6 +128,8 @@ class Generator:
             time.perf_counter() - started - state.first_s,
             state.generated,
             session.failover_pauses_s,
+            rounds.drafted,
+            rounds.accepted,
         )
 
     def _report(

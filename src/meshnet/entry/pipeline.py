@@ -15,7 +15,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -25,6 +25,7 @@ from meshnet.entry import prefill
 from meshnet.entry.failover import failover, reroute
 from meshnet.entry.latency import HopLatencies
 from meshnet.entry.routes import RouteSource
+from meshnet.entry.session import PipelineSession
 from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import HopError, RouteError
@@ -37,9 +38,12 @@ from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Pick = Callable[[torch.Tensor], T]  # logits [V] -> what a request makes of them (a token)
-# (session, token ids, pick: only when the entry's span is the last one, first id's position)
-LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None", int]
+# logits [V] of the last token -> what a request makes of them (a token); a pick fed with
+# `rows` > 1 (verifying drafts, ADR-0038) gets the last `rows` tokens' logits [rows, V]
+Pick = Callable[[torch.Tensor], T]
+# (session, token ids, pick: only when the entry's span is the last one, first id's position,
+# rows the pick gets)
+LocalStep = tuple["PipelineSession", list[int], "Pick[Any] | None", int, int]
 
 
 class HeadLike(Protocol):
@@ -52,44 +56,9 @@ class HeadLike(Protocol):
         ...
 
 
-@dataclass
-class PipelineSession:
-    """One generation's state at the entry node."""
-
-    id: SessionId
-    hops: list[Hop]  # the remote hops after the entry's own span, in order
-    history: list[int] = field(default_factory=list)  # every token id fed, prompt first
-    position: int = 0  # tokens every hop's cache holds
-    # what each hop was sent, bf16 [1, T, H] pieces in order: replayed into a replacement hop
-    inputs: list[list[torch.Tensor]] = field(default_factory=list)
-    banned: set[NodeId] = field(default_factory=set)  # hops that failed this session
-    fresh: set[Hop] = field(default_factory=set)  # replacements joined mid-prefill
-    failover_pauses_s: list[float] = field(default_factory=list)
-    replay_bytes: int = 0  # bytes held in `inputs`
-    replayable: bool = True  # False once `inputs` outgrew the budget: no failover then
-
-    def __post_init__(self) -> None:
-        self.inputs = self.inputs or [[] for _ in self.hops]
-
-    def record(self, k: int, hidden: torch.Tensor, max_bytes: int) -> None:
-        """Keep what hop `k` was sent, for replay, while the session stays within
-        `max_bytes` of such inputs; past it, give them all up (review finding 9)."""
-        if not self.replayable:
-            return
-        size = hidden.numel() * hidden.element_size()
-        if self.replay_bytes + size > max_bytes:
-            log.warning(
-                "session %s: replay inputs pass %d bytes; no failover for it", self.id, max_bytes
-            )
-            self.replayable, self.replay_bytes = False, 0
-            self.inputs = [[] for _ in self.hops]
-            return
-        self.inputs[k].append(hidden)
-        self.replay_bytes += size
-
-    def recount(self) -> None:
-        """`replay_bytes` again from `inputs` (after a failover replaced some)."""
-        self.replay_bytes = sum(t.numel() * t.element_size() for ts in self.inputs for t in ts)
+def tail(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """What a pick of `rows` rows gets of logits [rows, V]: one row as [V]."""
+    return logits[-1] if rows == 1 else logits
 
 
 def banned(hop: Hop) -> HopError:
@@ -177,9 +146,12 @@ class Pipeline:
                 log.info("no route around the slow hops %s: taking them", sorted(slow))
         return await self.routes.route(self.model, start, exclude=banned)
 
-    async def feed(self, session: PipelineSession, ids: list[int], pick: Pick[T]) -> T:
+    async def feed(
+        self, session: PipelineSession, ids: list[int], pick: Pick[T], rows: int = 1
+    ) -> T:
         """Run `ids` after the session's tokens; `pick` (a sampler) of the float32 logits [V]
-        for the next token, run on the compute thread with them.
+        for the next token (with `rows` > 1: of the last `rows` tokens, [rows, V]), run on
+        the compute thread with them.
 
         The entry's own work is one compute-thread job (embeddings and its span, plus the
         logits and `pick` when there is no remote hop); decode steps of all sessions in flight
@@ -195,7 +167,7 @@ class Pipeline:
                 out = await prefill.pipelined(self, session, ids)
             else:  # the entry's span, with the logits when it is the last one
                 out = await self.local_pass(
-                    session, ids, session.position, None if session.hops else pick
+                    session, ids, session.position, None if session.hops else pick, rows
                 )
         finally:
             if session.position == 0:  # the first call: its cache holds its place from now
@@ -206,26 +178,31 @@ class Pipeline:
         if not pipelined:
             for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
                 out = await self.remote(session, chunk)
-        return await self._after(session, ids, out, pick)
+        return await self._after(session, ids, out, pick, rows)
 
     async def local_pass(
-        self, session: PipelineSession, ids: list[int], position: int, pick: Pick[T] | None = None
+        self,
+        session: PipelineSession,
+        ids: list[int],
+        position: int,
+        pick: Pick[T] | None = None,
+        rows: int = 1,
     ) -> Any:
         """The entry's own span over `ids` at `position`, as one compute-thread job with the
         other sessions' (`_run_local_many`): hidden [1, T, H], or with `pick` what it makes
         of the next token's logits."""
         key = ("local", id(self))  # every session's step and prompt may share a pass
-        item = (session, ids, pick, position)
+        item = (session, ids, pick, position, rows)
         return await self.executor.submit(
             key, self._run_local_many, item, len(ids), session.id, self.step_wait_s
         )
 
     async def _after(
-        self, session: PipelineSession, ids: list[int], out: torch.Tensor, pick: Pick[T]
+        self, session: PipelineSession, ids: list[int], out: torch.Tensor, pick: Pick[T], rows: int
     ) -> T:
         """`pick` of the logits of the last hop's output `out` [1, T, H]; the feed is done."""
         picked = await self.executor.submit(
-            ("logits", id(self)), self._logits_many, (out, pick), 1, session.id, 0.01
+            ("logits", id(self)), self._logits_many, (out, pick, rows), 1, session.id, 0.01
         )
         self._fed(session, ids)
         return picked  # type: ignore[no-any-return]
@@ -234,6 +211,7 @@ class Pipeline:
         session.position += len(ids)
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
+        session.rewinding = False  # every cache dropped the rejected drafts with these frames
 
     def _run_local_many(self, items: list[LocalStep]) -> list[Any]:
         """Compute thread: `_run_local` for each item, many sessions in one pass: the
@@ -243,10 +221,10 @@ class Pipeline:
         packed = [i for i, item in enumerate(items) if len(item[1]) <= self.local_chunk_tokens]
         if len(packed) < 2:
             packed = []
-        for i, (session, ids, pick, position) in enumerate(items):
+        for i, (session, ids, pick, position, rows) in enumerate(items):
             if i not in packed:
                 try:
-                    outs[i] = self._run_local(session, torch.tensor([ids]), pick, position)
+                    outs[i] = self._run_local(session, torch.tensor([ids]), pick, position, rows)
                 except Exception as exc:  # that session's request fails, not the others'
                     outs[i] = Failed(exc)
         frames = [self._frame(items[i][0], items[i][1], items[i][3]) for i in packed]
@@ -254,18 +232,23 @@ class Pipeline:
             outs[i] = out
         wanted = [i for i in packed if items[i][2] is not None and not isinstance(outs[i], Failed)]
         if wanted:
-            picked = self._logits_many([(outs[i], items[i][2]) for i in wanted])  # type: ignore[misc]
+            picked = self._logits_many([(outs[i], items[i][2], items[i][4]) for i in wanted])  # type: ignore[misc]
             for i, result in zip(wanted, picked, strict=True):
                 outs[i] = result
         return outs
 
     def _frame(self, session: PipelineSession, ids: list[int], position: int) -> Frame:
         """The entry's own frame for `ids` at `position`: [1, T, H] embedded."""
-        meta = FrameMeta(session.id, self.model, self.local.span, position, 0, 1)
+        meta = FrameMeta(session.id, self.model, self.local.span, position, 0, 1, session.rewinding)
         return meta, self.head.embed_tokens(torch.tensor([ids]), position)
 
     def _run_local(
-        self, session: PipelineSession, tokens: torch.Tensor, pick: Pick[Any] | None, at: int
+        self,
+        session: PipelineSession,
+        tokens: torch.Tensor,
+        pick: Pick[Any] | None,
+        at: int,
+        rows: int = 1,
     ) -> Any:
         """Compute thread: embeddings and the entry's own span -> hidden [1, T, H], or, with
         `pick`, what it makes of the last token's logits [V]. The span runs in pieces of
@@ -279,19 +262,22 @@ class Pipeline:
             meta = FrameMeta(
                 session.id, self.model, self.local.span, piece.position, piece.index, piece.total
             )
+            meta = replace(meta, rewind=session.rewinding and piece.position == at)
             outputs.append(self.local.forward(meta, piece.hidden))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        return out if pick is None else pick(self.head.logits(out[:, -1:])[0, -1])
+        return out if pick is None else pick(tail(self.head.logits(out[:, -rows:])[0], rows))
 
-    def _logits_many(self, items: list[tuple[torch.Tensor, Pick[Any]]]) -> list[Any]:
-        """Compute thread: for each (hidden [1, T, H], pick), `pick` of the float32 logits [V]
-        of its last token; one head product for all of them, each pick failing alone."""
-        last = torch.cat([hidden[:, -1:] for hidden, _ in items])  # [B, 1, H]
-        logits = self.head.logits(last)[:, -1]  # [B, V]
+    def _logits_many(self, items: list[tuple[torch.Tensor, Pick[Any], int]]) -> list[Any]:
+        """Compute thread: for each (hidden [1, T, H], pick, rows), `pick` of the float32
+        logits of its last `rows` tokens ([V] for one); one head product for all of them,
+        each pick failing alone."""
+        last = torch.cat([hidden[0, -rows:] for hidden, _, rows in items])  # [sum rows, H]
+        logits = self.head.logits(last[None])[0]  # [sum rows, V]
         results: list[Any] = []
-        for row, (_, pick) in zip(logits, items, strict=True):
+        parts = torch.split(logits, [rows for *_, rows in items])
+        for part, (_, pick, rows) in zip(parts, items, strict=True):
             try:
-                results.append(pick(row))
+                results.append(pick(tail(part, rows)))
             except Exception as exc:  # one request's sampler: its failure is that request's
                 results.append(Failed(exc))
         return results
@@ -321,7 +307,9 @@ class Pipeline:
         its output, once the session recorded what it was sent (raises `HopError`)."""
         hop = session.hops[k]
         index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
-        meta = FrameMeta(session.id, self.model, hop.span, chunk.position, index, total)
+        meta = FrameMeta(
+            session.id, self.model, hop.span, chunk.position, index, total, session.rewinding
+        )
         if self.checker.bans.has(hop.node_id):
             raise banned(hop)
         started = time.perf_counter()
@@ -339,7 +327,13 @@ class Pipeline:
         while True:
             index, total = (0, 1) if session.fresh else (chunk.index, chunk.total)
             meta = FrameMeta(
-                session.id, self.model, session.hops[0].span, chunk.position, index, total
+                session.id,
+                self.model,
+                session.hops[0].span,
+                chunk.position,
+                index,
+                total,
+                session.rewinding,
             )
             try:
                 for hop in session.hops:

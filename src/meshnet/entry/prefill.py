@@ -29,7 +29,8 @@ from meshnet.errors import HopError
 from meshnet.wire import Chunk, split_prefill
 
 if TYPE_CHECKING:
-    from meshnet.entry.pipeline import Pipeline, PipelineSession
+    from meshnet.entry.pipeline import Pipeline
+    from meshnet.entry.session import PipelineSession
 
 log = logging.getLogger(__name__)
 Queue = asyncio.Queue[Chunk | None]  # None: no more chunks

@@ -191,4 +191,5 @@ def make_generator(
         random.Random(entry.seed),
         metrics=service.metrics,
         on_end=service.finished.append,  # the agent's next heartbeat tells the tracker
+        max_drafts=entry.max_draft_tokens if entry.draft == "lookup" else 0,
     )

@@ -34,7 +34,8 @@ from meshnet.types import Hop, NodeId, Quant, SessionId
 from meshnet.wire import FrameMeta, split_prefill
 
 if TYPE_CHECKING:
-    from meshnet.entry.pipeline import Pipeline, PipelineSession
+    from meshnet.entry.pipeline import Pipeline
+    from meshnet.entry.session import PipelineSession
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")

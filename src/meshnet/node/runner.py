@@ -10,6 +10,7 @@ import torch
 
 from meshnet.errors import SessionError
 from meshnet.node.scheduler import Failed
+from meshnet.node.sessions import rewinds
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
 
@@ -57,6 +58,8 @@ class EchoRunner:
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         length, chunks = self._sessions.get(meta.session, (0, None))
+        if length and rewinds(meta, length):
+            length = meta.position  # rejected drafts dropped (ADR-0038)
         if meta.position != length:
             raise SessionError(
                 f"session {meta.session} holds {length} tokens; a call at "

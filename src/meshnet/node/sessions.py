@@ -18,6 +18,7 @@ from typing import Any
 from meshnet.errors import LimitError, SessionError, SessionNotFoundError
 from meshnet.types import SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
+from meshnet.wire.headers import MAX_REWIND_TOKENS
 
 
 @dataclass
@@ -30,6 +31,12 @@ class Session:
     last_used_s: float = 0.0
     cache_bytes: int = 0
     batch: int = 0  # the batch size of its frames; every call of a session keeps it
+
+
+def rewinds(meta: FrameMeta, length: int) -> bool:
+    """Whether `meta` may continue a cache of `length` tokens from below its end: it asks to
+    rewind, by at most `MAX_REWIND_TOKENS` (ADR-0038)."""
+    return meta.rewind and length - MAX_REWIND_TOKENS <= meta.position <= length
 
 
 def expired(last_used_s: Mapping[SessionId, float], now_s: float, ttl_s: float) -> list[SessionId]:
@@ -87,10 +94,13 @@ class SessionStore:
         evict_idle_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         bytes_per_token: int = 0,
+        truncate: Callable[[Any, int], None] = lambda cache, length: None,
     ) -> None:
         """`bytes_per_token`: what a token's cache is expected to cost before any is measured
-        (0 left the first session's reservation unchecked: review finding 10)."""
+        (0 left the first session's reservation unchecked: review finding 10); `truncate`
+        drops a cache's tokens past a length (rewinds, ADR-0038)."""
         self.new_cache = new_cache
+        self.truncate = truncate
         self.measure = measure  # bytes held by a cache
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
@@ -124,15 +134,20 @@ class SessionStore:
                     field="X-Meshnet-Session",
                 )
             session = Session(self.new_cache())
-        elif meta.position != session.length:
+        elif meta.position != session.length and not rewinds(meta, session.length):
             problem = "gap" if meta.position > session.length else "overlap"
             raise SessionError(
                 f"session {meta.session} holds {session.length} tokens; a call at position "
-                f"{meta.position} would leave a {problem}",
+                f"{meta.position} would leave a {problem}"
+                + (f" (a rewind drops at most {MAX_REWIND_TOKENS})" if meta.rewind else ""),
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
-        self._reserve(meta.session, session, tokens, keep, pending_bytes)
+        kept = min(meta.position, session.length)
+        self._reserve(meta.session, session, tokens - (session.length - kept), keep, pending_bytes)
+        if kept < session.length:  # the frame is taken: the rejected drafts go now (ADR-0038)
+            self.truncate(session.cache, kept)
+            session.length = kept
         return session, chunks
 
     def _reserve(

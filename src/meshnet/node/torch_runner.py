@@ -49,6 +49,7 @@ class TorchShardRunner:
             max_bytes=max_cache_bytes,
             evict_idle_s=evict_idle_s,
             bytes_per_token=expected_cache_bytes(shard),
+            truncate=truncate,
         )
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:

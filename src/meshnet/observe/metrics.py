@@ -59,6 +59,15 @@ class Metrics:
         self.tokens_generated = Counter(
             "meshnet_tokens_generated", "Tokens sampled by this entry node", ["model"], registry=r
         )
+        self.draft_tokens = Counter(
+            "meshnet_draft_tokens",
+            "Draft tokens this entry verified (ADR-0038)",
+            ["model"],
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "meshnet_accepted_tokens", "Draft tokens that stood", ["model"], registry=r
+        )
         self.bytes_sent = Counter(
             "meshnet_bytes_sent", "Activation-frame bytes sent", ["encoding"], registry=r
         )

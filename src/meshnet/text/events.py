@@ -25,6 +25,8 @@ class Finished:
     decode_s: float  # from the first sampled token to the end
     token_ids: list[int] = field(default_factory=list)
     failover_pauses_s: list[float] = field(default_factory=list)  # one per replaced hop
+    drafted_tokens: int = 0  # draft tokens sent for verification (ADR-0038)
+    accepted_tokens: int = 0  # of those, the ones that stood
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -25,10 +25,12 @@ MODEL = "X-Meshnet-Model"
 LAYERS = "X-Meshnet-Layers"
 POSITION = "X-Meshnet-Position"
 HOLD = "X-Meshnet-Hold-Ms"  # answers: ms the receiver held the frame (ADR-0037)
+REWIND = "X-Meshnet-Rewind"  # "1": drop the cache past the position first (ADR-0038)
 CONTENT_TYPE = "Content-Type"
 OCTET_STREAM = "application/octet-stream"
 
 DTYPE_BF16 = "bfloat16"
+MAX_REWIND_TOKENS = 64  # a rewind drops at most this many tokens: rejected drafts, no more
 _MAX_DIGITS = 12  # ints beyond 10^12 are never legitimate here and would cost big-int parsing
 
 
@@ -42,6 +44,9 @@ class FrameMeta:
     position: int  # absolute position of the frame's first token in the session
     chunk_index: int = 0
     chunk_total: int = 1
+    # the session's cache may hold tokens past `position` (rejected draft tokens): drop them
+    # first; at most MAX_REWIND_TOKENS of them (ADR-0038)
+    rewind: bool = False
 
     def __post_init__(self) -> None:
         if not is_valid_id(self.session):
@@ -57,7 +62,7 @@ class FrameMeta:
             )
 
     def to_headers(self) -> dict[str, str]:
-        return {
+        headers = {
             SESSION: self.session,
             MODEL: self.model,
             LAYERS: str(self.span),
@@ -65,6 +70,7 @@ class FrameMeta:
             CHUNK_INDEX: str(self.chunk_index),
             CHUNK_TOTAL: str(self.chunk_total),
         }
+        return headers | {REWIND: "1"} if self.rewind else headers
 
 
 def lower_keys(headers: Mapping[str, str]) -> dict[str, str]:
@@ -85,6 +91,7 @@ _LOWER = {
         MODEL,
         LAYERS,
         POSITION,
+        REWIND,
     )
 }
 
@@ -139,4 +146,14 @@ def parse_meta(headers: Mapping[str, str]) -> FrameMeta:
         position=parse_int(require(headers, POSITION), POSITION),
         chunk_index=parse_int(require(headers, CHUNK_INDEX), CHUNK_INDEX),
         chunk_total=parse_int(require(headers, CHUNK_TOTAL), CHUNK_TOTAL, minimum=1),
+        rewind=parse_rewind(headers.get(_LOWER[REWIND])),
     )
+
+
+def parse_rewind(value: str | None) -> bool:
+    """`X-Meshnet-Rewind`: absent, or exactly `1`."""
+    if value is None:
+        return False
+    if value.strip() != "1":
+        raise WireError(f"{REWIND} must be 1 when present, got {value[:20]!r}", field=REWIND)
+    return True

@@ -1,0 +1,70 @@
+"""`PipelineSession`: one generation's state at the entry node, what failover replays from."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from meshnet.types import Hop, NodeId, SessionId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineSession:
+    """One generation's state at the entry node."""
+
+    id: SessionId
+    hops: list[Hop]  # the remote hops after the entry's own span, in order
+    history: list[int] = field(default_factory=list)  # every token id fed, prompt first
+    position: int = 0  # tokens every hop's cache holds
+    # what each hop was sent, bf16 [1, T, H] pieces in order: replayed into a replacement hop
+    inputs: list[list[torch.Tensor]] = field(default_factory=list)
+    banned: set[NodeId] = field(default_factory=set)  # hops that failed this session
+    fresh: set[Hop] = field(default_factory=set)  # replacements joined mid-prefill
+    failover_pauses_s: list[float] = field(default_factory=list)
+    replay_bytes: int = 0  # bytes held in `inputs`
+    replayable: bool = True  # False once `inputs` outgrew the budget: no failover then
+    rewinding: bool = False  # the caches hold rejected drafts: the next frames drop them
+
+    def __post_init__(self) -> None:
+        self.inputs = self.inputs or [[] for _ in self.hops]
+
+    def record(self, k: int, hidden: torch.Tensor, max_bytes: int) -> None:
+        """Keep what hop `k` was sent, for replay, while the session stays within
+        `max_bytes` of such inputs; past it, give them all up (review finding 9)."""
+        if not self.replayable:
+            return
+        size = hidden.numel() * hidden.element_size()
+        if self.replay_bytes + size > max_bytes:
+            log.warning(
+                "session %s: replay inputs pass %d bytes; no failover for it", self.id, max_bytes
+            )
+            self.replayable, self.replay_bytes = False, 0
+            self.inputs = [[] for _ in self.hops]
+            return
+        self.inputs[k].append(hidden)
+        self.replay_bytes += size
+
+    def rewind(self, dropped: int) -> None:
+        """Forget the last `dropped` tokens fed (rejected drafts, ADR-0038): the next frames
+        tell every cache to drop them too."""
+        if dropped <= 0:
+            return
+        self.position -= dropped
+        del self.history[-dropped:]
+        for pieces in self.inputs:
+            left = dropped  # what hop k was sent ends with those tokens
+            while pieces and left:
+                last = pieces.pop()
+                if last.shape[1] > left:
+                    pieces.append(last[:, : last.shape[1] - left])
+                left = max(left - last.shape[1], 0)
+        self.recount()
+        self.rewinding = True
+
+    def recount(self) -> None:
+        """`replay_bytes` again from `inputs` (after a failover replaced some)."""
+        self.replay_bytes = sum(t.numel() * t.element_size() for ts in self.inputs for t in ts)

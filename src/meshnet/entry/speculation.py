@@ -1,0 +1,66 @@
+"""Decode rounds at the entry: one token a trip, or drafts verified in one frame (ADR-0038).
+
+A round feeds the last sampled token. With drafts (`text/drafts.py: lookup`), it feeds the
+last token and k drafts as one frame through every hop; the logits of all k + 1 positions
+decide which drafts stand (`text/sampling.py: accept_drafts`), and the session forgets the
+rest (`PipelineSession.rewind`): its next frames tell every cache to drop them too. The
+output is the one plain decoding gives; only the number of trips changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshnet.entry.pipeline import Pipeline
+from meshnet.entry.session import PipelineSession
+from meshnet.text.drafts import DraftState, after_plain, after_verify, lookup
+from meshnet.text.params import SamplingParams
+from meshnet.text.sampling import accept_drafts, sample
+
+INITIAL_DRAFT_TOKENS = 4  # the first verify round's drafts, once a plain step was timed
+PROBE_EVERY = 16  # plain steps after drafting stopped paying before it tries 1 draft again
+
+
+@dataclass
+class Rounds:
+    """One generation's decode rounds through `pipeline`."""
+
+    pipeline: Pipeline
+    params: SamplingParams
+    generator: torch.Generator
+    max_drafts: int  # 0: never draft
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, the ones that stood
+
+    def __post_init__(self) -> None:
+        self.state = DraftState(0)
+
+    async def next(self, session: PipelineSession, last: int, left: int) -> list[int]:
+        """Feed `last` (sampled, not yet fed); the tokens that follow it, at most `left`."""
+        k = min(self.state.length, self.max_drafts, left - 1)
+        drafts = lookup([*session.history, last], k) if k > 0 else []
+        started = time.perf_counter()
+        if not drafts:
+            token = await self.pipeline.feed(session, [last], self._pick)
+            self.state = after_plain(
+                self.state, time.perf_counter() - started, INITIAL_DRAFT_TOKENS, PROBE_EVERY
+            )
+            return [token]
+        taken, after = await self.pipeline.feed(
+            session,
+            [last, *drafts],
+            lambda logits: accept_drafts(logits, drafts, self.params, self.generator),
+            rows=len(drafts) + 1,
+        )
+        session.rewind(len(drafts) - taken)
+        took_s = time.perf_counter() - started
+        self.state = after_verify(self.state, len(drafts), taken, took_s, self.max_drafts)
+        self.drafted += len(drafts)
+        self.accepted += taken
+        return [*drafts[:taken], after]
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        return sample(logits, self.params, self.generator)
