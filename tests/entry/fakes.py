@@ -55,13 +55,15 @@ def fake_mesh(
     push: bool = False,
     pipelined: bool = True,
     piece_tokens: int = 512,
+    max_drafts: int = 0,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
     With `replicas`, hops a2 (2:4) and b2 (4:6) stand by for failover; `copies` adds more
     (`a3`: another copy of 2:4, `b3` of 4:6). With `push`, steps go through the whole
     route as one `Transport.push` call (ADR-0034); `pipelined` prompts overlap across the
-    hops (ADR-0036), the entry's span running them in pieces of `piece_tokens`.
+    hops (ADR-0036), the entry's span running them in pieces of `piece_tokens`; with
+    `max_drafts`, prompt-lookup speculation (ADR-0038).
     """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
@@ -90,4 +92,5 @@ def fake_mesh(
         prefill_piece_tokens=piece_tokens,
     )
     runners["local"] = local
-    return Generator(pipeline, CharCodec(), 4096, random.Random(0)), transport, runners
+    generator = Generator(pipeline, CharCodec(), 4096, random.Random(0), max_drafts=max_drafts)
+    return generator, transport, runners

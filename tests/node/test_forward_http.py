@@ -38,6 +38,8 @@ BAD = [
     (with_header(h.ENCODING, "brotli"), bytes(GOOD.body), 415, h.ENCODING),
     (with_header(h.CHUNK_INDEX, "1"), bytes(GOOD.body), 400, h.CHUNK_INDEX),
     (with_header(h.VERSION, "99"), bytes(GOOD.body), 400, h.VERSION),
+    (with_header(h.REWIND, "2"), bytes(GOOD.body), 400, h.REWIND),
+    (with_header(h.REWIND, "yes"), bytes(GOOD.body), 400, h.REWIND),
     (with_header(h.LAYERS, "0:11"), bytes(GOOD.body), 400, h.LAYERS),
     (with_header(h.MODEL, "other"), bytes(GOOD.body), 400, h.LAYERS),
     (with_header(h.POSITION, "3"), bytes(GOOD.body), 409, "position"),

@@ -174,3 +174,29 @@ def test_make_room(
     idle: dict[str, tuple[int, float]], used: int, need: int, expected: list[str] | None
 ) -> None:
     assert make_room(idle, used, need, 120, 10.0) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("quant", ["fp32", "bf16", "int8"])
+def test_a_rewind_drops_rejected_drafts_and_continues_as_a_fresh_cache_would(
+    quant: str, tiny_folder: Callable[[str], Path]
+) -> None:
+    """ADR-0038: 6 tokens in, then 3 at position 4 with the rewind flag: the output is a
+    cache that only ever held the first 4; beyond 64 tokens back, or unflagged, refused."""
+    from dataclasses import replace
+
+    source = resolve(str(tiny_folder("llama")))
+    runner = TorchShardRunner(ModelId("tiny"), load_shard(source, LayerSpan(2, 4), quant))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    x, more = torch.randn(1, 6, 64), torch.randn(1, 3, 64)
+    runner.forward(meta("a", 0), x)
+    with pytest.raises(SessionError, match="overlap"):
+        runner.forward(meta("a", 4), more)  # without the flag
+    rewound = runner.forward(replace(meta("a", 4), rewind=True), more)
+    runner.forward(meta("b", 0), x[:, :4])
+    fresh = runner.forward(meta("b", 4), more)
+    assert torch.allclose(rewound.float(), fresh.float(), atol=1e-5, rtol=0)
+    assert runner.sessions._sessions[SessionId("a")].length == 7
+    runner.forward(meta("a", 7), torch.randn(1, 70, 64))  # 77 held
+    with pytest.raises(SessionError, match="at most 64"):
+        runner.forward(replace(meta("a", 12), rewind=True), more)
+    assert runner.sessions._sessions[SessionId("a")].length == 77  # refused: unchanged

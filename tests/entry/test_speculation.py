@@ -1,0 +1,126 @@
+"""Speculative decoding with fake hops (ADR-0038): drafts verified in one frame, rejected
+ones rewound on every cache, and the output of plain decoding, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshnet.entry.session import PipelineSession
+from meshnet.node.runner import EchoRunner
+from meshnet.text.events import Finished
+from meshnet.text.params import GenerationParams, SamplingParams
+from meshnet.types import SessionId
+from meshnet.wire import FrameMeta
+from tests.conftest import run
+from tests.entry.fakes import fake_mesh
+from tests.entry.test_failover import kill_at
+from tests.entry.test_generation import collect
+
+GREEDY = GenerationParams(12, (), SamplingParams(temperature=0.0))
+# the fake model continues the alphabet: a quote of it is drafted right; in "wrong drafts"
+# (26 tokens, 2 chunks of 16) the model's "...abcd" is drafted as the prompt's "exyza": the
+# verify frame at 27 keeps "e", and the next frame, at 29, rewinds "xyza" away
+PROMPTS = {
+    "quote": "abcdefghijklmnopqrstuvwxyz;abcde",
+    "wrong drafts": "ABCDEFGHIJKLMNOP" + "abcdexyzab",
+    "nothing recurs": "the cat",
+}
+
+
+def generate(prompt: str, drafts: int, **mesh: object) -> tuple[str, Finished]:
+    generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, **mesh)  # type: ignore[arg-type]
+    return run(collect(generator, prompt, GREEDY))
+
+
+@pytest.mark.parametrize("push", [False, True])
+@pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
+def test_greedy_output_with_drafts_equals_plain_decoding(prompt: str, push: bool) -> None:
+    plain, plain_end = generate(prompt, 0, push=push)
+    drafted, end = generate(prompt, 8, push=push)
+    assert drafted == plain and end.token_ids == plain_end.token_ids
+    assert end.completion_tokens == plain_end.completion_tokens
+    assert 0 <= end.accepted_tokens <= end.drafted_tokens
+    assert plain_end.drafted_tokens == 0
+
+
+def test_accepted_drafts_save_frames_and_every_cache_keeps_only_accepted_tokens() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, max_drafts=8)
+    lengths: dict[str, list[tuple[int, int, bool]]] = {}
+    for name, runner in runners.items():
+        forward = runner.forward
+
+        def logged(
+            meta: FrameMeta, hidden: object, name: str = name, f: object = forward
+        ) -> object:
+            lengths.setdefault(name, []).append((meta.position, hidden.shape[1], meta.rewind))  # type: ignore[attr-defined]
+            return f(meta, hidden)  # type: ignore[operator]
+
+        runner.forward = logged  # type: ignore[method-assign]
+    text, end = run(collect(generator, PROMPTS["quote"], GREEDY))
+    assert text == "fghijklmnopq"
+    assert end.accepted_tokens == end.drafted_tokens > 6  # every draft right
+    plain_frames = 2 + 11  # a prompt of 2 chunks, then 11 decode steps
+    assert len([f for f in transport.frames if f[0] == "a"]) < plain_frames - 6
+    for calls in lengths.values():  # each frame continues what the cache kept
+        held = 0
+        for position, tokens, rewind in calls:
+            assert position == held or (rewind and position < held)
+            held = position + tokens
+
+
+def test_a_rejected_draft_is_rewound_on_every_cache_by_the_next_frame() -> None:
+    generator, transport, runners = fake_mesh(chunk_tokens=16, max_drafts=8)
+    sessions: list[tuple[str, int]] = []
+    for name in ("local", "a", "b"):
+        runner: EchoRunner = runners[name]
+        forward = runner.forward
+
+        def logged(
+            meta: FrameMeta, hidden: object, name: str = name, f: object = forward
+        ) -> object:
+            out = f(meta, hidden)  # type: ignore[operator]
+            sessions.append((name, runners[name]._sessions[meta.session][0]))
+            return out
+
+        runner.forward = logged  # type: ignore[method-assign]
+    text, end = run(collect(generator, PROMPTS["wrong drafts"], GREEDY))
+    assert text == generate(PROMPTS["wrong drafts"], 0)[0]
+    assert end.accepted_tokens < end.drafted_tokens  # the wrap was drafted wrong
+    final = {name: held for name, held in sessions}  # the last frame's cache length
+    assert len(set(final.values())) == 1  # every cache agrees on what it holds
+
+
+# the verify frame, the frame that rewinds, a later step
+@pytest.mark.parametrize(("address", "position"), [("b", 27), ("a", 29), ("b", 29), ("a", 31)])
+def test_a_hop_killed_mid_generation_is_replayed_with_accepted_tokens_only(
+    address: str, position: int
+) -> None:
+    prompt = PROMPTS["wrong drafts"]
+    generator, transport, _ = fake_mesh(chunk_tokens=16, replicas=True, max_drafts=8)
+    kill_at(transport, address, position)
+    text, end = run(collect(generator, prompt, GREEDY))
+    assert text == generate(prompt, 0)[0]
+    assert len(end.failover_pauses_s) == 1
+
+
+def test_sampled_generations_with_drafts_keep_their_seeded_tokens_valid() -> None:
+    """At temperature > 0 the fake model is near-certain (margin 20): speculation takes
+    the drafts the plain sampler would take, and the text is the same for a seed."""
+    params = GenerationParams(10, (), SamplingParams(temperature=1.0, seed=3))
+    outs = []
+    for drafts in (0, 8):
+        generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts)
+        outs.append(run(collect(generator, PROMPTS["quote"], params))[0])
+    assert outs[0] == outs[1] == "fghijklmno"
+
+
+def test_a_session_rewind_trims_history_and_replay_inputs() -> None:
+    session = PipelineSession(SessionId("s-1"), [])
+    session.inputs = [[torch.zeros(1, 5, 2), torch.ones(1, 3, 2)], [torch.zeros(1, 8, 2)]]
+    session.history, session.position = list(range(8)), 8
+    session.recount()
+    session.rewind(4)
+    assert (session.position, session.history, session.rewinding) == (4, [0, 1, 2, 3], True)
+    assert [[p.shape[1] for p in pieces] for pieces in session.inputs] == [[4], [4]]
+    assert session.replay_bytes == 2 * 4 * 2 * 4
