@@ -60,6 +60,7 @@ ENCODINGS = {e: ["--no-push", "--wire-encoding", e] for e in ("none", "zstd-shuf
 COMPARISONS = {
     "designs": (DESIGNS, "relay", ("sequential", "relay", "push")),
     "encodings": (ENCODINGS, "auto", ("none", "zstd-shuffle", "auto")),
+    "drafts": ({"lookup": ["--no-push", "--draft", "lookup"]}, "plain", ("plain", "lookup")),
 }
 
 

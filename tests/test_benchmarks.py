@@ -170,6 +170,17 @@ def test_wan_benchmark_shows_auto_compressing_only_over_the_slow_link() -> None:
     assert all(b < 0.9 * 368_640 for b in auto_slow[-2:])  # its 128-token chunk compressed
 
 
+def test_speculative_benchmark_compares_lookup_with_plain_decoding() -> None:
+    """ADR-0038 over real processes: the quote is drafted right, the text is the same."""
+    out = run_tiny("speculative.py")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| quote |")]
+    assert len(rows) == 1
+    plain, lookup = float(rows[0][3]), float(rows[0][4])
+    accepted, drafted = (int(x) for x in rows[0][6].split(" of "))
+    assert plain > 0 and lookup > 0 and 0 < accepted <= drafted
+    assert float(rows[0][7]) > 1.0 and rows[0][8].strip() == "yes"
+
+
 def test_prefill_benchmark_pipelines_against_its_bound() -> None:
     """The real `Pipeline` over emulated machines: pipelined beats one chunk at a time."""
     out = run_tiny("prefill.py")
