@@ -8,7 +8,8 @@ another entry of 0:10 with `--draft lookup`, over the same two nodes (10:20, 20:
 reached through its own delaying proxy; real processes. For each prompt kind, both entries
 answer the same greedy chat request, alternating, `--repeats` times. Decode tokens/s is
 (completion tokens - 1) / (t(full answer) - t(first token)); a verify round gives its
-accepted drafts plus one token, so tokens per trip is (tokens - 1) / (tokens - 1 - accepted).
+accepted drafts plus one token; tokens per trip is (tokens - 1) / decode rounds (the answer's
+`meshnet.decode_rounds`; the prompt's trip gives the first token).
 """
 
 from __future__ import annotations
@@ -75,12 +76,11 @@ def measure(
     rows = {}
     for mode, answer in last.items():
         info, n = answer["meshnet"], answer["usage"]["completion_tokens"]
-        accepted = info["accepted_draft_tokens"]
         rows[mode] = {
             "tokens_s": statistics.median(runs[mode]),
             "drafted": info["draft_tokens"],
-            "accepted": accepted,
-            "per_trip": (n - 1) / max(n - 1 - accepted, 1),
+            "accepted": info["accepted_draft_tokens"],
+            "per_trip": (n - 1) / max(info["decode_rounds"], 1),
             "text": answer["choices"][0]["message"]["content"],
             "tokens": n,
         }
@@ -108,6 +108,10 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="meshnet-spec-") as logs,
         mesh(Path(logs), "fp32" if args.tiny else args.quant, link, "drafts") as (urls, _),
     ):
+        for url in urls.values():  # warm-up: first passes, and the planner settling
+            with httpx.Client(base_url=url, timeout=600) as client:
+                for text in prompts.values():
+                    chat(client, text, 8)
         for delay in delays:
             link.delay_s = delay / 1000
             for kind, text in prompts.items():

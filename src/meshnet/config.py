@@ -115,8 +115,9 @@ class EntryConfig:
     # speculative decoding (ADR-0038): `lookup` drafts tokens from the text so far and
     # verifies up to max_draft_tokens of them through the mesh in one frame; `none` decodes
     # one token a trip
-    draft: str = "none"
+    draft: str = "none"  # none | lookup | model
     max_draft_tokens: int = 8
+    draft_model: str = "default"  # with draft="model": a model sharing the tokenizer
 
 
 @dataclass(frozen=True)

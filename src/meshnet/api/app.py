@@ -336,5 +336,6 @@ def _finish(body: dict[str, Any], choice: dict[str, Any], end: Finished | None) 
             "failover_pauses_s": [round(p, 4) for p in end.failover_pauses_s],
             "draft_tokens": end.drafted_tokens,
             "accepted_draft_tokens": end.accepted_tokens,
+            "decode_rounds": end.decode_rounds,
         }
     return body

@@ -142,10 +142,17 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--draft",
-        choices=["none", "lookup"],
+        choices=["none", "lookup", "model"],
         default=entry.draft,
         help="speculative decoding (ADR-0038): lookup drafts tokens from the prompt and output "
-        "so far and verifies them through the mesh in one frame; output is unchanged",
+        "so far, model from --draft-model run here; the mesh verifies several in one frame, "
+        "output unchanged",
+    )
+    group.add_argument(
+        "--draft-model",
+        default=entry.draft_model,
+        help="with --draft model: a small model with the served model's tokenizer ('default', "
+        "a .gguf file or a checkpoint folder), run whole on the entry",
     )
     group.add_argument(
         "--max-draft-tokens",
@@ -273,6 +280,7 @@ def entry_config(args: argparse.Namespace) -> EntryConfig:
         pipelined_prefill=args.pipelined_prefill,
         draft=args.draft,
         max_draft_tokens=args.max_draft_tokens,
+        draft_model=args.draft_model,
     )
 
 

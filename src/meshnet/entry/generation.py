@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from meshnet.entry.drafter import Drafter, LookupDrafter
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.speculation import Rounds
@@ -45,6 +46,7 @@ class Generator:
         metrics: Metrics | None = None,
         on_end: Callable[[msg.RequestSummary], object] = lambda summary: None,
         max_drafts: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.codec = codec
@@ -53,6 +55,7 @@ class Generator:
         self.metrics = metrics or Metrics()
         self.on_end = on_end  # gets a summary of every request, finished or failed
         self.max_drafts = max_drafts  # drafts verified a round at most; 0: no speculation
+        self.drafter = drafter or LookupDrafter()  # where drafts come from (ADR-0038)
 
     @property
     def model(self) -> str:
@@ -89,6 +92,7 @@ class Generator:
             raise
         finally:
             if session is not None:
+                self.drafter.forget(session.id)
                 # Shielded: a client that went away cancels this task, and Starlette's
                 # (anyio's) cancellation would otherwise hit every await of the clean-up too.
                 await asyncio.shield(self.pipeline.close(session))
@@ -101,7 +105,7 @@ class Generator:
         state = Decoding()
         generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
         pick = partial(sample, params=params.sampling, generator=generator)
-        rounds = Rounds(self.pipeline, params.sampling, generator, self.max_drafts)
+        rounds = Rounds(self.pipeline, params.sampling, generator, self.max_drafts, self.drafter)
         fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
         while state.reason is None:
@@ -130,6 +134,7 @@ class Generator:
             session.failover_pauses_s,
             rounds.drafted,
             rounds.accepted,
+            rounds.rounds,
         )
 
     def _report(

@@ -15,14 +15,15 @@ import random
 from dataclasses import dataclass
 
 from meshnet.config import EntryConfig, NodeConfig
+from meshnet.entry.drafter import Drafter, LookupDrafter, ModelDrafter
 from meshnet.entry.generation import Generator
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
-from meshnet.errors import ModelError
+from meshnet.errors import ConfigError, ModelError
 from meshnet.models import sizing
-from meshnet.models.loader import load_head, load_tokenizer
+from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
@@ -191,5 +192,22 @@ def make_generator(
         random.Random(entry.seed),
         metrics=service.metrics,
         on_end=service.finished.append,  # the agent's next heartbeat tells the tracker
-        max_drafts=entry.max_draft_tokens if entry.draft == "lookup" else 0,
+        max_drafts=entry.max_draft_tokens if entry.draft != "none" else 0,
+        drafter=make_drafter(entry, model),
     )
+
+
+def make_drafter(entry: EntryConfig, model: EntryModel) -> Drafter:
+    """The drafter `entry` asks for (ADR-0038); a draft model must share the vocabulary."""
+    if entry.draft != "model":
+        return LookupDrafter()
+    source = resolve(entry.draft_model)
+    shard = load_shard(source, LayerSpan(0, source.spec.num_layers), model.runner.shard.quant)
+    vocab = model.head.embed.num_embeddings  # type: ignore[attr-defined]
+    if source.spec.vocab_size != vocab:
+        raise ConfigError(
+            f"draft model {entry.draft_model!r} has {source.spec.vocab_size} tokens, the "
+            f"served model {vocab}: a draft model must share its tokenizer"
+        )
+    log.info("draft model %s loaded for %s", entry.draft_model, model.model_id)
+    return ModelDrafter(load_head(source, head_dtype(shard.quant)), shard)

@@ -1,6 +1,6 @@
 """Decode rounds at the entry: one token a trip, or drafts verified in one frame (ADR-0038).
 
-A round feeds the last sampled token. With drafts (`text/drafts.py: lookup`), it feeds the
+A round feeds the last sampled token. With drafts (`entry/drafter.py`), it feeds the
 last token and k drafts as one frame through every hop; the logits of all k + 1 positions
 decide which drafts stand (`text/sampling.py: accept_drafts`), and the session forgets the
 rest (`PipelineSession.rewind`): its next frames tell every cache to drop them too. The
@@ -10,13 +10,14 @@ output is the one plain decoding gives; only the number of trips changes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from meshnet.entry.drafter import Drafter, LookupDrafter
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.session import PipelineSession
-from meshnet.text.drafts import DraftState, after_plain, after_verify, lookup
+from meshnet.text.drafts import DraftState, after_plain, after_verify
 from meshnet.text.params import SamplingParams
 from meshnet.text.sampling import accept_drafts, sample
 
@@ -32,6 +33,8 @@ class Rounds:
     params: SamplingParams
     generator: torch.Generator
     max_drafts: int  # 0: never draft
+    drafter: Drafter = field(default_factory=LookupDrafter)
+    rounds: int = 0  # trips through the mesh after the prompt's
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0  # of those, the ones that stood
 
@@ -41,8 +44,9 @@ class Rounds:
     async def next(self, session: PipelineSession, last: int, left: int) -> list[int]:
         """Feed `last` (sampled, not yet fed); the tokens that follow it, at most `left`."""
         k = min(self.state.length, self.max_drafts, left - 1)
-        drafts = lookup([*session.history, last], k) if k > 0 else []
+        drafts = await self._drafts(session, last, k) if k > 0 else []
         started = time.perf_counter()
+        self.rounds += 1
         if not drafts:
             token = await self.pipeline.feed(session, [last], self._pick)
             self.state = after_plain(
@@ -61,6 +65,12 @@ class Rounds:
         self.drafted += len(drafts)
         self.accepted += taken
         return [*drafts[:taken], after]
+
+    async def _drafts(self, session: PipelineSession, last: int, k: int) -> list[int]:
+        text = [*session.history, last]
+        if self.drafter.runs_model:  # a model's steps wait their turn on the compute thread
+            return await self.pipeline.executor.call(self.drafter.propose, session.id, text, k)
+        return self.drafter.propose(session.id, text, k)
 
     def _pick(self, logits: torch.Tensor) -> int:
         return sample(logits, self.params, self.generator)

@@ -27,6 +27,7 @@ class Finished:
     failover_pauses_s: list[float] = field(default_factory=list)  # one per replaced hop
     drafted_tokens: int = 0  # draft tokens sent for verification (ADR-0038)
     accepted_tokens: int = 0  # of those, the ones that stood
+    decode_rounds: int = 0  # trips through the mesh after the prompt's
 
     @property
     def decode_tokens_per_s(self) -> float:
