@@ -66,7 +66,8 @@ def test_drafted_greedy_tokens_equal_plain_ones_on_the_default_model(
     alone, drafted = ends(plain, [*PROMPTS.values()]), ends(drafting, [*PROMPTS.values()])
     for name, a, d in zip(PROMPTS, alone, drafted, strict=True):
         assert d.token_ids == a.token_ids, name
-        assert a.drafted_tokens == 0 and a.decode_rounds == a.completion_tokens - 1
+        assert a.drafted_tokens == 0  # one round a token (and one that gave end-of-text)
+        assert a.decode_rounds in (a.completion_tokens - 1, a.completion_tokens)
     # this 135M model paraphrases more than it copies; measured 20 of 46 drafts stood (fp32)
     assert sum(d.accepted_tokens for d in drafted) >= 8
     assert all(d.accepted_tokens <= d.drafted_tokens for d in drafted)
