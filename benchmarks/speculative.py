@@ -3,10 +3,10 @@
     python benchmarks/speculative.py          # 0 and 25 ms one-way per link, int8, 3 prompts
     python benchmarks/speculative.py --tiny   # 0 ms, fp32, the quote only, short (the tests)
 
-The WAN harness of `benchmarks/wan.py`: a tracker-as-entry-node (0:10, plain decoding) and
-another entry of 0:10 with `--draft lookup`, over the same two nodes (10:20, 20:30), each
-reached through its own delaying proxy; real processes. For each prompt kind, both entries
-answer the same greedy chat request, alternating, `--repeats` times. Decode tokens/s is
+The WAN harness of `benchmarks/wan.py`: a tracker-as-entry-node (0:10), two nodes (10:20,
+20:30) and two entries of 0:10, one plain and one with `--draft lookup`, each process
+reached by its peers through its own delaying proxy; real processes. For each prompt kind,
+both entries answer the same greedy chat request, alternating, `--repeats` times. Decode tokens/s is
 (completion tokens - 1) / (t(full answer) - t(first token)); a verify round gives its
 accepted drafts plus one token; tokens per trip is (tokens - 1) / decode rounds (the answer's
 `meshnet.decode_rounds`; the prompt's trip gives the first token).
@@ -94,9 +94,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="int8")
     parser.add_argument("--delays", default="0,25", help="one-way delays (ms) per link")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="of: " + ", ".join(PROMPTS))
     args = parser.parse_args()
     delays = [0.0] if args.tiny else [float(d) for d in args.delays.split(",")]
-    prompts = {"quote": PROMPTS["quote"]} if args.tiny else PROMPTS
+    kinds = ["quote"] if args.tiny else args.prompts.split(",")
+    prompts = {kind: PROMPTS[kind] for kind in kinds}
     tokens, repeats = (16, 1) if args.tiny else (args.tokens, args.repeats)
     print(
         "| prompt | one-way delay | plain tokens/s | lookup tokens/s | speedup | drafts "
