@@ -44,6 +44,16 @@ def test_greedy_output_with_drafts_equals_plain_decoding(prompt: str, push: bool
     assert plain_end.drafted_tokens == 0
 
 
+def test_drafts_and_accepted_ones_are_counted_in_metrics() -> None:
+    generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=8)
+    _, end = run(collect(generator, PROMPTS["quote"], GREEDY))
+    metrics = generator.metrics
+    drafted = metrics.draft_tokens.labels(generator.model)._value.get()
+    accepted = metrics.accepted_tokens.labels(generator.model)._value.get()
+    assert (drafted, accepted) == (end.drafted_tokens, end.accepted_tokens)
+    assert accepted > 0
+
+
 def test_accepted_drafts_save_frames_and_every_cache_keeps_only_accepted_tokens() -> None:
     generator, transport, runners = fake_mesh(chunk_tokens=16, max_drafts=8)
     lengths: dict[str, list[tuple[int, int, bool]]] = {}

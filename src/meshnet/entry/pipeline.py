@@ -15,7 +15,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -259,10 +258,16 @@ class Pipeline:
         hidden = self.head.embed_tokens(tokens, at)
         outputs = []
         for piece in split_prefill(hidden, at, self.local_chunk_tokens):
+            rewind = session.rewinding and piece.position == at  # the first piece drops drafts
             meta = FrameMeta(
-                session.id, self.model, self.local.span, piece.position, piece.index, piece.total
+                session.id,
+                self.model,
+                self.local.span,
+                piece.position,
+                piece.index,
+                piece.total,
+                rewind,
             )
-            meta = replace(meta, rewind=session.rewinding and piece.position == at)
             outputs.append(self.local.forward(meta, piece.hidden))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return out if pick is None else pick(tail(self.head.logits(out[:, -rows:])[0], rows))
