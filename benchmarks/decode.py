@@ -4,6 +4,7 @@ off), the 3-hop mesh, and llama.cpp on the same GGUF file.
     python benchmarks/decode.py                                   # fp32, bf16 and int8
     python benchmarks/decode.py --llama-python /tmp/llama/bin/python   # adds llama.cpp
     python benchmarks/decode.py --tiny                            # what the tests run
+    python benchmarks/decode.py --device cuda --quant bf16        # the CUDA rows (a GPU)
 
 Decode: greedy tokens after a 38-token English prompt; tokens/s = N / (t(N+1) - t(1)), so
 prefill and request overheads cancel (the node's own generator reports the same directly).
@@ -35,6 +36,7 @@ from meshnet.entry.generation import Generator
 from meshnet.entry.role import load_entry_model, make_generator
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.transport import HttpTransport
+from meshnet.models.device import resolve_device
 from meshnet.models.loader import load_tokenizer
 from meshnet.models.source import default_gguf, resolve
 from meshnet.node.app import NodeService
@@ -77,19 +79,24 @@ def on_compute(fn: Callable[..., Row], *args: Any) -> Row:
     return COMPUTE.submit(fn, *args).result()
 
 
-def transformers_row(quant: str, short: list[int], long: list[int], n: int, r: int) -> Row:
+def transformers_row(
+    quant: str, short: list[int], long: list[int], n: int, r: int, device: str = "cpu"
+) -> Row:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if quant == "fp32" else torch.bfloat16
     path = default_gguf()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=dtype
-    ).eval()
+    ).eval().to(device)
 
     def run(ids: list[int], new: int) -> None:
         with torch.inference_mode():
             model.generate(
-                torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+                torch.tensor([ids], device=device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
             )
 
     return timed(run, short, long, n, r)
@@ -107,9 +114,11 @@ def timed(
     }
 
 
-def node_row(quant: str, fast: bool, short: list[int], long: list[int], n: int, r: int) -> Row:
-    """An entry node holding every layer, through its generator (no remote hop)."""
-    config = NodeConfig(quant=quant, fast_path=fast)
+def node_row(
+    quant: str, fast: bool, short: list[int], long: list[int], n: int, r: int, device: str = "cpu"
+) -> Row:
+    """An entry node holding every layer on `device`, through its generator (no remote hop)."""
+    config = NodeConfig(quant=quant, fast_path=fast, device=device)
     span = LayerSpan(0, resolve("default").spec.num_layers)
     model = load_entry_model(config, "default", "default", span)
     service = NodeService([model.runner], WireLimits(), WireConfig(), node_id="bench")
@@ -216,8 +225,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", help="a python with llama-cpp-python installed")
-    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8", "nf4"])
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N: where the 1-node rows run"
+    )
     args = parser.parse_args()
+    device = resolve_device(args.device)
+    on = "" if device == "cpu" else f", {device}"
     pin_loop_thread()
     random.seed(0)
     tokenizer = load_tokenizer(resolve("default"))
@@ -231,14 +245,14 @@ def main() -> None:
             args.llama_python, tokenizer, short, long, n, r
         )
     for quant in args.quant or (["fp32"] if args.tiny else ["fp32", "bf16", "int8"]):
-        if quant != "int8":  # transformers has no CPU int8 of its own to compare with
-            rows[f"transformers generate, {quant}"] = on_compute(
-                transformers_row, quant, short, long, n, r
+        if quant in ("fp32", "bf16"):  # transformers has no int8/nf4 of its own to compare with
+            rows[f"transformers generate, {quant}{on}"] = on_compute(
+                transformers_row, quant, short, long, n, r, device
             )
         for fast in (True, False):
-            name = f"meshnet 1 node, {quant}, fast path {'on' if fast else 'off'}"
-            rows[name] = node_row(quant, fast, short, long, n, r)
-        if not args.tiny:
+            name = f"meshnet 1 node, {quant}{on}, fast path {'on' if fast else 'off'}"
+            rows[name] = node_row(quant, fast, short, long, n, r, device)
+        if not args.tiny and device == "cpu":
             with tempfile.TemporaryDirectory(prefix="meshnet-decode-") as logs:
                 rows[f"meshnet 3-hop mesh, {quant}"] = mesh_row(
                     quant, short, long, n, r, Path(logs)

@@ -42,3 +42,19 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need a CUDA device: where PyTorch sees none they are skipped, with why."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    from meshnet.models.device import no_cuda_reason
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device: {no_cuda_reason()}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

@@ -68,3 +68,29 @@ def test_the_switch_overrides_the_detection(
     assert quantize.default_quant() == quantize.preferred_compute()
     int8 = quantize.compute_dtype("int8")
     assert str(int8) == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[expected or detected]
+
+
+def test_device_flag_maps_onto_node_config_and_refuses_bad_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in (["node"], ["tracker", "--layers", "0:10"]):
+        args = build_parser().parse_args([*command, "--device", "CUDA:1"])
+        config = node_config(args) if command == ["node"] else tracker_node_config(args)
+        assert config.device == "cuda:1"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["node", "--device", "gpu"])
+    assert "device must be auto, cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+@pytest.mark.parametrize("command", [["node"], ["tracker", "--layers", "0:30"]])
+def test_cuda_on_a_host_without_it_stops_before_loading(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """`--device cuda` where PyTorch sees no CUDA device: exit 2 with the reason, before any
+    weight is read or any port is bound."""
+    from meshnet.cli import main
+    from tests.e2e.procs import free_port
+
+    assert main([*command, "--device", "cuda", "--port", str(free_port())]) == 2
+    assert "--device cuda: " in capsys.readouterr().err

@@ -45,6 +45,9 @@ class NodeConfig:
     model: str = "default"  # "default", a .gguf file, a checkpoint folder or a hub id
     layers: str | None = None  # "start:end"; None = the whole model until the tracker assigns
     quant: Quant | None = None  # None = bf16 where fast (or $MESHNET_COMPUTE_DTYPE=bf16), else fp32
+    # auto | cpu | cuda | cuda:N: where weights, KV caches and compute live (ADR-0039); the
+    # node resolves "auto" once at start-up (CUDA when PyTorch sees a device)
+    device: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this

@@ -17,6 +17,9 @@ Quant = Literal["fp32", "bf16", "int8", "nf4"]  # how a node stores its layers' 
 QUANTS: tuple[Quant, ...] = get_args(Quant)
 ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4 layers compute in (ADR-0024)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
+# where a node's weights, caches and compute live: "auto" (CUDA when PyTorch sees one, else
+# the CPU), "cpu", "cuda" (the first CUDA device) or "cuda:N"; resolved once at start-up
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(:[0-9]{1,3})?$")
 
 
 def parse_quant(text: str) -> Quant:
@@ -33,6 +36,21 @@ def parse_compute(text: str, what: str = "compute dtype") -> ComputeDtype:
         if text == dtype:
             return dtype
     raise ValueError(f"{what} must be one of {', '.join(COMPUTE_DTYPES)}, got {text!r}")
+
+
+def parse_device(text: str) -> str:
+    """`text` as a device setting, normalised ("CUDA:1" -> "cuda:1"); ValueError naming the
+    choices otherwise. Only CUDA takes an index."""
+    value = text.strip().lower()
+    match = _DEVICE_RE.match(value)
+    if match is None or (match.group(2) and match.group(1) != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return value
+
+
+def device_kind(device: str) -> str:
+    """ "cpu" or "cuda" for a resolved device ("cpu", "cuda:0")."""
+    return device.split(":", 1)[0]
 
 
 # Session and node ids travel in headers and URLs: keep them to a safe, bounded alphabet.

@@ -33,6 +33,7 @@ from meshnet.entry.role import EntryRole, entry_budget
 from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
 from meshnet.entry.transport import HttpTransport
 from meshnet.errors import ModelError
+from meshnet.models.device import resolve_device
 from meshnet.models.source import resolve
 from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
@@ -49,6 +50,12 @@ from meshnet.wire.route import Reply
 
 log = logging.getLogger(__name__)
 ClientFactory = Callable[[], httpx.AsyncClient]
+
+
+def on_device(config: NodeConfig) -> NodeConfig:
+    """`config` with its device resolved ("cpu" or "cuda:N"); ConfigError (before anything is
+    loaded, bound or written) when it asks for a CUDA device PyTorch cannot use."""
+    return replace(config, device=resolve_device(config.device))
 
 
 def pinned_span(config: NodeConfig) -> LayerSpan | None:
@@ -79,7 +86,7 @@ def node_service(
         WireConfig(encoding=config.wire_encoding),
         config.max_sessions,
         metrics=metrics,
-        turns=host_turns(config.host_turns),
+        turns=host_turns(config.host_turns, config.device),
         max_batch=config.max_batch,
         max_batch_tokens=config.max_batch_tokens,
         batch_wait_s=config.batch_wait_s,
@@ -123,6 +130,7 @@ def build_app(
     limits: ApiLimits = ApiLimits(),
 ) -> Starlette:
     """The node's app: `/forward` for its spans, and the API when it may be an entry."""
+    config = on_device(config)
     pinned = pinned_span(config)
     request = node_registration(config, pinned, access.tls)
     service = node_service(config, request.node_id, access)
@@ -183,6 +191,7 @@ def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:
 
 def serve(config: NodeConfig, access: AccessConfig, entry: EntryConfig, limits: ApiLimits) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
+    config = on_device(config)
     pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_app(config, access, entry, limits)
     api = " (API under /v1 where it holds layer 0)" if config.entry else ""

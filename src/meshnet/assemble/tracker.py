@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
 from meshnet.assemble.http import ServerLimits, server_config
-from meshnet.assemble.node import agent_lifespan, node_registration, node_service
+from meshnet.assemble.node import agent_lifespan, node_registration, node_service, on_device
 from meshnet.config import (
     AccessConfig,
     ApiLimits,
@@ -75,6 +75,7 @@ def build_tracker_node_app(
     registry = build_registry(tracker)
     signer = Signer(access.swarm_key)
     node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port, entry=True)
+    node = on_device(node)
     span = entry_span(node)
     request = node_registration(replace(node, layers=str(span)), span, access.tls)
     service = node_service(node, request.node_id, access, registry.metrics)
@@ -153,6 +154,7 @@ def serve_tracker_node(
     access: AccessConfig,
     limits: ApiLimits,
 ) -> None:
+    node = on_device(node)
     pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_tracker_node_app(tracker, node, entry, access, limits)
     url = f"{scheme(access.tls)}://{tracker.host}:{tracker.port}"

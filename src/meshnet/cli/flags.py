@@ -9,7 +9,7 @@ from typing import Any
 
 from meshnet.config import COMPUTE_DTYPE_ENV
 from meshnet.errors import ConfigError
-from meshnet.types import parse_compute
+from meshnet.types import parse_compute, parse_device
 
 _UNITS = {
     "": 1,
@@ -46,6 +46,14 @@ def parse_fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
     return value
+
+
+def parse_device_flag(text: str) -> str:
+    """`--device`: auto, cpu, cuda or cuda:N (whether CUDA works is checked at start-up)."""
+    try:
+        return parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_draft_tokens(text: str) -> int:

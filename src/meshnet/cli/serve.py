@@ -9,7 +9,7 @@ import socket
 from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
-from meshnet.cli.flags import parse_bytes, parse_draft_tokens, parse_fraction
+from meshnet.cli.flags import parse_bytes, parse_device_flag, parse_draft_tokens, parse_fraction
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
 from meshnet.types import QUANTS
@@ -34,8 +34,8 @@ def add_serve_commands(sub: Any) -> None:
     node.add_argument(
         "--budget",
         type=parse_bytes,
-        help="memory for weights and KV cache, e.g. 4GiB (default: free GPU "
-        "memory, or half the available RAM)",
+        help="memory for weights and KV cache, e.g. 4GiB (default: free VRAM less a margin "
+        "on CUDA, or half the available RAM)",
     )
     node.add_argument("--data-dir", help="where the node keeps its id (default ~/.meshnet)")
     node.add_argument(
@@ -110,6 +110,13 @@ def add_tracker_command(sub: Any) -> None:
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
     """Limits, speed switches and the entry's hop timeout: nodes and the tracker's own span."""
     default, entry = NodeConfig(), EntryConfig()
+    parser.add_argument(
+        "--device",
+        type=parse_device_flag,
+        default=default.device,
+        help="where weights, KV caches and compute live: auto (CUDA when PyTorch sees a "
+        "device, else the CPU), cpu, cuda or cuda:N (default: auto)",
+    )
     group = parser.add_argument_group("node limits")
     group.add_argument("--max-sessions", type=int, default=default.max_sessions)
     group.add_argument(
@@ -257,6 +264,7 @@ def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
 def node_limits(args: argparse.Namespace) -> dict[str, Any]:
     """The flags nodes and the tracker's own span share, as `NodeConfig` fields."""
     return {
+        "device": args.device,
         "max_sessions": args.max_sessions,
         "max_cache_bytes": args.max_kv_cache,
         "session_ttl_s": args.session_ttl,
@@ -309,6 +317,10 @@ def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
 
 
 def run_tracker(args: argparse.Namespace) -> int:
+    if args.layers is not None or args.budget is not None:
+        from meshnet.assemble.node import on_device
+
+        on_device(tracker_node_config(args))  # a bad --device stops it before the key is made
     access, origin = access_config(args, create_key=True)
     announce_tracker(args, access.swarm_key or "", origin)
     if not access.api_keys and not access.allow_unauthenticated:
@@ -326,8 +338,9 @@ def run_tracker(args: argparse.Namespace) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    access, _ = access_config(args, create_key=args.tracker is None)
-    from meshnet.assemble.node import serve
+    from meshnet.assemble.node import on_device, serve
 
+    on_device(node_config(args))  # a bad --device stops it before a key is made
+    access, _ = access_config(args, create_key=args.tracker is None)
     serve(node_config(args), access, entry_config(args), api_limits(args))
     return 0

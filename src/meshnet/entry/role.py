@@ -23,6 +23,7 @@ from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import ConfigError, ModelError
 from meshnet.models import sizing
+from meshnet.models.device import resolve_device
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
 from meshnet.models.source import resolve
@@ -58,10 +59,11 @@ def entry_span(config: NodeConfig) -> LayerSpan:
         return span
     if config.budget_bytes is None:
         return LayerSpan(0, spec.num_layers)
-    quant = config.quant or default_quant()
+    device = resolve_device(config.device)
+    quant = config.quant or default_quant(device)
     usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
     usable -= sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
-    count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant), usable)
+    count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant, device), usable)
     if count < 1:
         raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
     return LayerSpan(0, count)
@@ -71,8 +73,9 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     """The budget an entry with a span given by hand registers: `--budget`, which must hold
     the head and the span, or just that (so the tracker plans nothing more on it)."""
     spec = resolve(config.model).spec
-    quant = config.quant or default_quant()
-    span_bytes = len(span) * local_layer_bytes(spec, quant)
+    device = resolve_device(config.device)
+    quant = config.quant or default_quant(device)
+    span_bytes = len(span) * local_layer_bytes(spec, quant, device)
     head = sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
     needed = math.ceil((span_bytes + head) / (1 - config.kv_reserve_fraction)) + 1
     if config.budget_bytes is None:
@@ -89,7 +92,7 @@ def load_entry_model(config: NodeConfig, model_id: str, source: str, span: Layer
     """Layers `span` (from 0) of `source`, its head and its tokenizer."""
     runner = load_runner(config, model_id, source, span)
     resolved = resolve(source)
-    head = load_head(resolved, head_dtype(runner.shard.quant))
+    head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
     codec = HfCodec(load_tokenizer(resolved))
     log.info("entry for %s: layers %s and the head loaded", model_id, span)
     spec = resolved.spec
@@ -202,7 +205,9 @@ def make_drafter(entry: EntryConfig, model: EntryModel) -> Drafter:
     if entry.draft != "model":
         return LookupDrafter()
     source = resolve(entry.draft_model)
-    shard = load_shard(source, LayerSpan(0, source.spec.num_layers), model.runner.shard.quant)
+    device = model.runner.shard.device  # the draft runs beside the served model's entry span
+    whole = LayerSpan(0, source.spec.num_layers)
+    shard = load_shard(source, whole, model.runner.shard.quant, device=device)
     vocab = model.head.embed.num_embeddings  # type: ignore[attr-defined]
     if source.spec.vocab_size != vocab:
         raise ConfigError(
@@ -210,4 +215,4 @@ def make_drafter(entry: EntryConfig, model: EntryModel) -> Drafter:
             f"served model {vocab}: a draft model must share its tokenizer"
         )
     log.info("draft model %s loaded for %s", entry.draft_model, model.model_id)
-    return ModelDrafter(load_head(source, head_dtype(shard.quant)), shard)
+    return ModelDrafter(load_head(source, head_dtype(shard.quant), device=device), shard)

@@ -22,10 +22,18 @@ class StaticKV:
     of n tokens allocates O(log n) times, never per token.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, dtype: Any) -> None:
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (layers, batch, kv_heads, MIN_CAPACITY, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
 
     @property

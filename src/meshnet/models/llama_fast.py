@@ -101,8 +101,9 @@ class RopeTable:
         return self.cos[position:end], self.sin[position:end]
 
     def _grow(self, positions: int) -> None:
-        probe = torch.empty(1, 1, 1, dtype=self.dtype)
-        ids = torch.arange(positions).unsqueeze(0)
+        device = next(self.rotary.buffers(), torch.empty(0)).device  # its frequencies'
+        probe = torch.empty(1, 1, 1, dtype=self.dtype, device=device)
+        ids = torch.arange(positions, device=device).unsqueeze(0)
         cos, sin = self.rotary(probe, position_ids=ids)  # [1, positions, D]
         half = sin.shape[-1] // 2
         self.cos, self.sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
@@ -124,8 +125,10 @@ class FastSpan:
 
     def compile(self) -> bool:
         """Run single-token decode steps as one compiled graph (ADR-0023), where allowed:
-        never for fp32/bf16 layers, which must stay bit-for-bit equal to transformers."""
-        if not self.exact:
+        never for fp32/bf16 layers, which must stay bit-for-bit equal to transformers, and
+        not on CUDA (ADR-0039: the per-session caches a step writes defeat CUDA graphs)."""
+        on_cpu = self.layers[0].input_norm.weight.device.type == "cpu"
+        if not self.exact and on_cpu:
             self.graph = compiled_decode(self)
         return self.graph is not None
 
@@ -134,7 +137,7 @@ class FastSpan:
         batch, tokens, _ = hidden.shape
         if cache.static is None:
             cache.static = StaticKV(
-                len(self.layers), batch, self.kv_heads, self.head_dim, hidden.dtype
+                len(self.layers), batch, self.kv_heads, self.head_dim, hidden.dtype, hidden.device
             )
         if self.rope is None or self.rope.dtype != hidden.dtype:
             self.rope = RopeTable(self._rotary, hidden.dtype)
@@ -164,11 +167,12 @@ class FastSpan:
         attention stay per session, over each session's own cache (no padding, no copy)."""
         lengths = [int(h.shape[1]) for h in hiddens]
         x = torch.cat(hiddens, dim=1)  # [1, N, H]
-        kvs = [self._static(c, x.dtype, t) for c, t in zip(caches, lengths, strict=True)]
+        kvs = [self._static(c, x, t) for c, t in zip(caches, lengths, strict=True)]
         assert self.rope is not None  # made by `_static`
         ends = [p + t for p, t in zip(positions, lengths, strict=True)]
         self.rope.rows(0, max(ends))  # grows the table to cover every session
         at = torch.cat([torch.arange(p, e) for p, e in zip(positions, ends, strict=True)])
+        at = at.to(x.device)
         rope = (self.rope.cos[at], self.rope.sin[at])  # [N, D]: broadcast over [1, heads, N, D]
         spans = list(zip(positions, lengths, strict=True))
         for i, layer in enumerate(self.layers):
@@ -178,10 +182,14 @@ class FastSpan:
             kv.length = end
         return list(torch.split(x, lengths, dim=1))
 
-    def _static(self, cache: SpanCache, dtype: torch.dtype, tokens: int) -> StaticKV:
-        """`cache`'s static keys and values (made on first use), with room for `tokens`."""
+    def _static(self, cache: SpanCache, x: torch.Tensor, tokens: int) -> StaticKV:
+        """`cache`'s static keys and values (made on first use, like `x`), with room for
+        `tokens`."""
+        dtype = x.dtype
         if cache.static is None:
-            cache.static = StaticKV(len(self.layers), 1, self.kv_heads, self.head_dim, dtype)
+            cache.static = StaticKV(
+                len(self.layers), 1, self.kv_heads, self.head_dim, dtype, x.device
+            )
         if self.rope is None or self.rope.dtype != dtype:
             self.rope = RopeTable(self._rotary, dtype)
         cache.static.reserve(tokens)

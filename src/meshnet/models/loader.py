@@ -78,8 +78,10 @@ def load_layer(
     index: int,
     local_index: int,
     quant: str,
+    device: str = "cpu",
 ) -> nn.Module:
-    """Build layer `index` on the meta device and fill it from the checkpoint."""
+    """Build layer `index` on the meta device, fill it from the checkpoint (on the host) and
+    quantize it onto `device`."""
     arch = source.arch
     with torch.device("meta"):
         layer = arch.build_layer(config, index)
@@ -89,7 +91,7 @@ def load_layer(
     for module in layer.modules():  # the shard's cache numbers its layers from 0
         if hasattr(module, "layer_idx"):
             setattr(module, "layer_idx", local_index)  # noqa: B010 - not a Tensor attribute
-    return quantize.quantize_layer(layer, quant).eval()
+    return quantize.quantize_layer(layer, quant, device).eval()
 
 
 def load_shard(
@@ -99,14 +101,16 @@ def load_shard(
     checkpoint: Checkpoint | None = None,
     fast: bool = True,
     compile: bool = False,
+    device: str = "cpu",
 ) -> Shard:
-    """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32).
+    """Load layers `span` of `source` at `quant` (default: bf16 where fast, else fp32) onto
+    `device` ("cpu" or "cuda:N", resolved: `models.device.resolve_device`).
 
     With `fast`, the architecture's fast path runs the layers where it can (ADR-0021); with
     `compile` too, it may compile its decode step (int8 layers, ADR-0023). The shard is
     warmed up (one prefill, one decode step: compilation happens there) before it returns.
     """
-    quant = quantize.check_quant(quant or quantize.default_quant())
+    quant = quantize.check_quant(quant or quantize.default_quant(device))
     if span.end > source.spec.num_layers:
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
     config = source.arch.hf_config(source.spec, source.raw_config)
@@ -114,10 +118,13 @@ def load_shard(
     layers = nn.ModuleList()
     with progress(f"loading {source.model_id} layers {span} ({quant})", len(span)) as task:
         for local, index in enumerate(span):
-            layers.append(load_layer(source, config, checkpoint, index, local, quant))
+            layers.append(load_layer(source, config, checkpoint, index, local, quant, device))
             task.advance()
     extras = source.arch.layer_extras(config)
-    shard = Shard(source.arch, config, span, layers, extras, quantize.compute_dtype(quant), quant)
+    if isinstance(extras, nn.Module):  # the rotary embedding's frequencies
+        extras = extras.to(device)
+    dtype = quantize.compute_dtype(quant, device)
+    shard = Shard(source.arch, config, span, layers, extras, dtype, quant, device=device)
     if fast:
         shard.fast = source.arch.fast_path(layers, config, extras, compile)
         why = "" if shard.fast else " (no fast path for this architecture or quantization)"
@@ -138,9 +145,13 @@ def warm_up(shard: Shard) -> None:
 
 
 def load_head(
-    source: ModelSource, dtype: torch.dtype = torch.float32, checkpoint: Checkpoint | None = None
+    source: ModelSource,
+    dtype: torch.dtype = torch.float32,
+    checkpoint: Checkpoint | None = None,
+    device: str = "cpu",
 ) -> Head:
-    """Embeddings, final norm and LM head; the LM head shares the embedding when tied."""
+    """Embeddings, final norm and LM head on `device`; the LM head shares the embedding when
+    tied."""
     config = source.arch.hf_config(source.spec, source.raw_config)
     checkpoint = checkpoint or open_checkpoint(source, None)
     with torch.device("meta"):
@@ -152,7 +163,7 @@ def load_head(
     if tied:
         names = {**names, "lm_head.weight": names["embed.weight"]}
     head.load_state_dict(read_state(head, checkpoint, names), assign=True, strict=True)
-    head = head.to(dtype)
+    head = head.to(device=device, dtype=dtype)
     if tied:
         head.lm_head.weight = head.embed.weight
     return head.eval()

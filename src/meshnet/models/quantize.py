@@ -16,7 +16,7 @@ from torch import nn
 from meshnet.config import COMPUTE_DTYPE_ENV
 from meshnet.models import sizing
 from meshnet.models.spec import ModelSpec
-from meshnet.types import ComputeDtype, Quant, parse_compute, parse_quant
+from meshnet.types import ComputeDtype, Quant, device_kind, parse_compute, parse_quant
 
 log = logging.getLogger(__name__)
 # bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts); that is
@@ -28,60 +28,62 @@ NF4_BLOCK = 64  # weights per absmax scale
 
 
 @functools.cache
-def hardware_bf16_is_fast() -> bool:
-    """CUDA, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
-    if torch.cuda.is_available():
+def hardware_bf16_is_fast(device: str = "cpu") -> bool:
+    """A CUDA device, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
+    if device_kind(device) == "cuda":
         return True
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text() if cpuinfo.exists() else ""
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def preferred_compute() -> ComputeDtype:
-    """What int8/nf4 layers compute in and what the default quantization follows: bf16 where
-    the hardware has fast bf16, else fp32; `$MESHNET_COMPUTE_DTYPE` overrides the detection
-    (ADR-0024), as `ATEN_CPU_CAPABILITY` does PyTorch's, so any machine can run both paths."""
+def preferred_compute(device: str = "cpu") -> ComputeDtype:
+    """What int8/nf4 layers on `device` compute in and what the default quantization follows:
+    bf16 where the hardware has fast bf16, else fp32; `$MESHNET_COMPUTE_DTYPE` overrides the
+    detection (ADR-0024), as `ATEN_CPU_CAPABILITY` does PyTorch's, so any machine can run
+    both paths."""
     override = os.environ.get(COMPUTE_DTYPE_ENV, "").strip()
     if override:
         return parse_compute(override, COMPUTE_DTYPE_ENV)
-    return "bf16" if hardware_bf16_is_fast() else "fp32"
+    return "bf16" if hardware_bf16_is_fast(device_kind(device)) else "fp32"
 
 
-def bf16_is_fast() -> bool:
-    """True when this process computes quantized layers in bf16 (`preferred_compute`)."""
-    return preferred_compute() == "bf16"
+def bf16_is_fast(device: str = "cpu") -> bool:
+    """True when this process computes quantized layers on `device` in bf16
+    (`preferred_compute`)."""
+    return preferred_compute(device) == "bf16"
 
 
-def default_quant() -> Quant:
-    return "bf16" if bf16_is_fast() else "fp32"
+def default_quant(device: str = "cpu") -> Quant:
+    return "bf16" if bf16_is_fast(device) else "fp32"
 
 
-def compute_dtype(quant: str) -> torch.dtype:
-    """The dtype a shard computes in: fp32 for fp32 weights, bf16 for bf16 weights, and for
-    int8/nf4 the preferred compute dtype (`preferred_compute`)."""
+def compute_dtype(quant: str, device: str = "cpu") -> torch.dtype:
+    """The dtype a shard on `device` computes in: fp32 for fp32 weights, bf16 for bf16
+    weights, and for int8/nf4 the preferred compute dtype (`preferred_compute`)."""
     if quant == "fp32":
         return torch.float32
     if quant == "bf16":
         return torch.bfloat16
-    return torch.bfloat16 if bf16_is_fast() else torch.float32
+    return torch.bfloat16 if bf16_is_fast(device) else torch.float32
 
 
-def nf4_packed_for_cpu() -> bool:
+def nf4_packed_for_cpu(device: str = "cpu") -> bool:
     """Whether bitsandbytes repacks nf4 weights here for its AVX512-BF16 kernel (which
-    computes in bf16 and keeps bf16 absmax): only on such a CPU, and only when this process
-    computes in bf16 (`_quantized` turns the repacking off otherwise)."""
-    if not bf16_is_fast():
+    computes in bf16 and keeps bf16 absmax): only for a CPU shard on such a CPU, and only
+    when this process computes in bf16 (`_quantized` turns the repacking off otherwise)."""
+    if device_kind(device) != "cpu" or not bf16_is_fast(device):
         return False
     from bitsandbytes.functional import has_avx512bf16
 
     return bool(has_avx512bf16())
 
 
-def local_layer_bytes(spec: ModelSpec, quant: Quant) -> int:
-    """Bytes one layer of `spec` at `quant` holds in this process (`sizing.layer_bytes` with
-    this process's compute dtype and nf4 layout)."""
-    packed = quant == "nf4" and nf4_packed_for_cpu()
-    return sizing.layer_bytes(spec, quant, preferred_compute(), packed_nf4=packed)
+def local_layer_bytes(spec: ModelSpec, quant: Quant, device: str = "cpu") -> int:
+    """Bytes one layer of `spec` at `quant` holds on `device` in this process
+    (`sizing.layer_bytes` with that device's compute dtype and nf4 layout)."""
+    packed = quant == "nf4" and nf4_packed_for_cpu(device)
+    return sizing.layer_bytes(spec, quant, preferred_compute(device), packed_nf4=packed)
 
 
 def head_dtype(quant: str) -> torch.dtype:
@@ -94,22 +96,41 @@ def check_quant(quant: str) -> Quant:
     return parse_quant(quant)
 
 
-def quantize_layer(layer: nn.Module, quant: str) -> nn.Module:
-    """Cast `layer` to its compute dtype and, for int8/nf4, swap its linear weights."""
-    layer = layer.to(compute_dtype(quant))
+def quantize_layer(layer: nn.Module, quant: str, device: str = "cpu") -> nn.Module:
+    """Cast `layer` to its compute dtype on `device` and, for int8/nf4, swap its linear
+    weights (bitsandbytes quantizes each on its first move, straight to `device`)."""
+    dtype = compute_dtype(quant, device)
+    layer = layer.to(dtype)
     if quant in ("int8", "nf4"):
-        _swap_linears(layer, quant)
-    return layer
+        _swap_linears(layer, quant, dtype, device)
+    return move_rest(layer, device)
 
 
-def _swap_linears(module: nn.Module, quant: str) -> None:
+def move_rest(module: nn.Module, device: str) -> nn.Module:
+    """Move every parameter and buffer of `module` not yet on `device` there, one module at a
+    time: bitsandbytes' quantized weights, already placed, are left alone (moving them again
+    would re-run their quantizing hook)."""
+    target = torch.device(device)
+    for part in module.modules():
+        for name, param in list(part.named_parameters(recurse=False)):
+            if param.device != target:
+                moved = nn.Parameter(param.data.to(target), requires_grad=False)
+                setattr(part, name, moved)
+        for name, buffer in list(part.named_buffers(recurse=False)):
+            if buffer is not None and buffer.device != target:
+                persistent = name not in part._non_persistent_buffers_set
+                part.register_buffer(name, buffer.to(target), persistent=persistent)
+    return module
+
+
+def _swap_linears(module: nn.Module, quant: str, dtype: torch.dtype, device: str) -> None:
     for name, child in module.named_children():
         weight = _linear_weight(child)
         if weight is None:
-            _swap_linears(child, quant)
+            _swap_linears(child, quant, dtype, device)
             continue
         bias = getattr(child, "bias", None)
-        setattr(module, name, _quantized(weight, bias, quant, compute_dtype(quant)))
+        setattr(module, name, _quantized(weight, bias, quant, dtype, device))
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -123,7 +144,11 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def _quantized(
-    weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant: str,
+    dtype: torch.dtype,
+    device: str = "cpu",
 ) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -157,7 +182,7 @@ def _quantized(
         )
         # bitsandbytes repacks for its bf16 kernel on an AVX512-BF16 CPU whatever we compute
         # in; with fp32 compute it must not (the switch then means fp32 everywhere)
-        setattr(q, "support_avx512bf16_for_cpu", nf4_packed_for_cpu())  # noqa: B010
+        setattr(q, "support_avx512bf16_for_cpu", nf4_packed_for_cpu(device))  # noqa: B010
     if bias is not None:
         q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-    return q.to("cpu")  # bitsandbytes quantizes on this move
+    return q.to(device)  # bitsandbytes quantizes on this move, on the CPU or the GPU

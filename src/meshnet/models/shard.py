@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshnet.models.device import to_host
 from meshnet.models.registry import Architecture
 from meshnet.types import LayerSpan
 
@@ -49,18 +50,19 @@ class Shard:
     compute_dtype: torch.dtype
     quant: str
     fast: Any = None  # the architecture's fast path (ADR-0021), or None: transformers' layers
+    device: str = "cpu"  # where its weights, caches and compute live: "cpu" or "cuda:N"
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: Any, position: int) -> torch.Tensor:
-        """`hidden` [B, T, H] (any float) at `position` -> [B, T, H] bf16; appends to
-        `cache` (a `models.cache.SpanCache`)."""
-        x = hidden.to(self.compute_dtype)
+        """`hidden` [B, T, H] (any float, any device) at `position` -> [B, T, H] bf16 in host
+        memory; appends to `cache` (a `models.cache.SpanCache`)."""
+        x = hidden.to(device=self.device, dtype=self.compute_dtype)
         out: torch.Tensor
         if self.fast is not None:
             out = self.fast.forward(x, cache, position)
         else:
             out = self.arch.run_layers(self.layers, x, cache.as_dynamic(), position, self.extras)
-        return out.to(torch.bfloat16)
+        return to_host(out.to(torch.bfloat16))
 
     @property
     def batches(self) -> bool:
@@ -72,13 +74,13 @@ class Shard:
         self, hiddens: list[torch.Tensor], caches: list[Any], positions: list[int]
     ) -> list[torch.Tensor]:
         """Several sessions at once: `hiddens[b]` [1, T_b, H] at `positions[b]` of `caches[b]`
-        -> [1, T_b, H] bf16 each. Sessions are independent: each attends over its own cache.
-        One pass on the fast path; one session after another otherwise."""
-        xs = [h.to(self.compute_dtype) for h in hiddens]
+        -> [1, T_b, H] bf16 each, in host memory. Sessions are independent: each attends
+        over its own cache. One pass on the fast path; one session after another otherwise."""
+        xs = [h.to(device=self.device, dtype=self.compute_dtype) for h in hiddens]
         if self.fast is None:
             return [self.forward(*args) for args in zip(xs, caches, positions, strict=True)]
         outs: list[torch.Tensor] = self.fast.forward_many(xs, caches, positions)
-        return [out.to(torch.bfloat16) for out in outs]
+        return [to_host(out.to(torch.bfloat16)) for out in outs]
 
     def weight_bytes(self) -> int:
         """Bytes this shard's weights hold (see `held_bytes`)."""
@@ -103,7 +105,9 @@ class Head(nn.Module):
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """Token ids [B, T] at `position` -> hidden states [B, T, H] in the head's dtype."""
+        """Token ids [B, T] at `position` -> hidden states [B, T, H] in the head's dtype, on
+        the head's device."""
+        ids = ids.to(self.embed.weight.device)
         hidden: torch.Tensor = self.embed(ids)
         if self.pos_embed is not None:
             hidden = hidden + self.pos_embed(positions_for(ids, position))
@@ -111,10 +115,12 @@ class Head(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [B, T, H] (any float dtype) -> logits [B, T, V] in float32."""
-        x = hidden.to(self.lm_head.weight.dtype)
+        """Hidden states [B, T, H] (any float dtype, any device) -> logits [B, T, V] in
+        float32, in host memory (samplers run there)."""
+        weight = self.lm_head.weight
+        x = hidden.to(device=weight.device, dtype=weight.dtype)
         logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits.float()
+        return to_host(logits.float())
 
 
 def held_bytes(shard: Shard) -> int:

@@ -25,6 +25,8 @@ from typing import TypeVar
 
 import torch
 
+from meshnet.types import device_kind
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -157,8 +159,9 @@ class _Request:
             return self._abandoned
 
 
-def host_turns(enabled: bool) -> HostTurns:
-    """Shared turns for a CPU process when `enabled`; none on CUDA (the GPU's own queue
-    orders its work, and CPU cores are not what co-located GPU nodes contend for)."""
-    on = enabled and not torch.cuda.is_available()
+def host_turns(enabled: bool, device: str = "cpu") -> HostTurns:
+    """Shared turns for a process computing on the CPU when `enabled`; none on CUDA (the
+    GPU's own queue orders its work, and CPU cores are not what co-located GPU nodes contend
+    for)."""
+    on = enabled and device_kind(device) == "cpu"
     return HostTurns(host_turns_path() if on else None)

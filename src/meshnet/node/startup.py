@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 
 import httpx
-import torch
 
 from meshnet.config import AccessConfig, NodeConfig
+from meshnet.models.device import budget_bytes, measure_throughput, resolve_device
 from meshnet.models.loader import load_shard
 from meshnet.models.quantize import default_quant
 from meshnet.models.source import resolve
@@ -28,8 +26,14 @@ log = logging.getLogger(__name__)
 def load_runner(
     config: NodeConfig, model_id: str, source: str, span: LayerSpan
 ) -> TorchShardRunner:
+    """Layers `span` of `source` on `config.device` (resolved), behind the runner seam."""
     shard = load_shard(
-        resolve(source), span, config.quant, fast=config.fast_path, compile=config.compile
+        resolve(source),
+        span,
+        config.quant,
+        fast=config.fast_path,
+        compile=config.compile,
+        device=resolve_device(config.device),
     )
     return TorchShardRunner(
         ModelId(model_id),
@@ -40,31 +44,11 @@ def load_runner(
     )
 
 
-def default_budget_bytes() -> int:
-    """Free GPU memory on CUDA; half the available RAM on the CPU."""
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
-        return int(free)
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages // 2)
-
-
-def measure_throughput(repeats: int = 30) -> float:
-    """Relative speed: 1024x1024 matrix-vector products per second (a short timed pass)."""
-    layer = torch.nn.Linear(1024, 1024)
-    x = torch.randn(1, 1024)
-    with torch.inference_mode():
-        layer(x)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            layer(x)
-    return repeats / (time.perf_counter() - start)
-
-
 def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterRequest:
     """What this node tells the tracker: where it is, its budget, whether it may be an entry
     (and keeps an entry span given by hand: `--layers 0:K`)."""
-    budget = config.budget_bytes or default_budget_bytes()
+    device = resolve_device(config.device)
+    budget = config.budget_bytes or budget_bytes(device)
     data_dir = Path(config.data_dir or Path.home() / ".meshnet" / f"node-{config.port}")
     pinned = LayerSpan.parse(config.layers) if config.layers else None
     return msg.RegisterRequest(
@@ -72,8 +56,8 @@ def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterReques
         address=config.public_address or f"{scheme}://{config.host}:{config.port}",
         budget_bytes=budget,
         kv_reserve_bytes=int(budget * config.kv_reserve_fraction),
-        quant=config.quant or default_quant(),
-        throughput=measure_throughput(),
+        quant=config.quant or default_quant(device),
+        throughput=measure_throughput(device),
         entry=config.entry,
         keeps_entry=config.entry and pinned is not None and pinned.start == 0,
     )
