@@ -86,9 +86,11 @@ def transformers_row(
 
     dtype = torch.float32 if quant == "fp32" else torch.bfloat16
     path = default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype
-    ).eval().to(device)
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        .eval()
+        .to(device)
+    )
 
     def run(ids: list[int], new: int) -> None:
         with torch.inference_mode():

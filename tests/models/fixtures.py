@@ -37,7 +37,26 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {**_LLAMA_SHAPE, "num_hidden_layers": 6, "tie_word_embeddings": False},
     "mistral": {**_LLAMA_SHAPE, "num_hidden_layers": 4, "sliding_window": None},
     "qwen2": {**_LLAMA_SHAPE, "num_hidden_layers": 4, "tie_word_embeddings": True},
+    # q/k norms, heads wider than hidden / heads, and sliding-window layers from layer 2 on
+    "qwen3": {
+        **_LLAMA_SHAPE,
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 2,
+    },
+    # every layer attends over the last 8 tokens only (Mistral's config-wide window)
+    "mistral-sliding": {
+        **_LLAMA_SHAPE,
+        "model_type": "mistral",
+        "num_hidden_layers": 4,
+        "sliding_window": 8,
+    },
 }
+
+
+SLIDING = ("qwen3", "mistral-sliding")  # families whose tiny configs use sliding windows
 
 
 def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
@@ -45,7 +64,8 @@ def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type])
+    settings = dict(TINY_CONFIGS[model_type])
+    config = AutoConfig.for_model(settings.pop("model_type", model_type), **settings)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     return folder

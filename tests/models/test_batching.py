@@ -26,6 +26,7 @@ from meshnet.text.events import Finished
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta
+from tests.models.fixtures import SLIDING
 
 PROMPT_TOKENS = [5, 17, 63, 70]  # 63 and 70 cross the static cache's first doubling
 # fp32 products over B rows take another GEMM kernel than over one: measured 6e-5 relative
@@ -39,7 +40,7 @@ def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float(diff.max())
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", *SLIDING])
 @pytest.mark.parametrize("quant", ["fp32", "bf16", "int8"])
 def test_batched_decode_rows_equal_one_session_at_a_time(
     model_type: str, quant: str, tiny_folder: Callable[[str], Path]
@@ -69,7 +70,7 @@ def test_batched_decode_rows_equal_one_session_at_a_time(
     assert [cache_length(c) for c in batched] == positions
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", *SLIDING])
 @pytest.mark.parametrize("quant", ["fp32", "bf16", "int8"])
 def test_prefill_chunks_and_decode_steps_in_one_pass_equal_each_alone(
     model_type: str, quant: str, tiny_folder: Callable[[str], Path]

@@ -17,6 +17,7 @@ from meshnet.models.loader import load_head, load_shard
 from meshnet.models.source import ModelSource, default_gguf, resolve
 from meshnet.types import LayerSpan
 from tests.models.chain import Chain, france_prompt, greedy, reference_greedy, reference_logits
+from tests.models.fixtures import SLIDING
 
 PROMPT_TOKENS, DECODE_TOKENS = 300, 32
 
@@ -40,7 +41,7 @@ def compare(
     return torch.cat(mesh, dim=1)[:, : ref.shape[1]], ref
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2", *SLIDING])
 def test_tiny_random_models_match_the_whole_model(
     model_type: str, tiny_folder: Callable[[str], Path]
 ) -> None:

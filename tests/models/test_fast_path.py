@@ -26,6 +26,7 @@ from meshnet.models.products import Int8Rows
 from meshnet.models.shard import Shard
 from meshnet.models.source import ModelSource, resolve
 from meshnet.types import LayerSpan
+from tests.models.fixtures import SLIDING
 
 
 def run(shard: object, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -36,7 +37,7 @@ def run(shard: object, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", *SLIDING])
 @pytest.mark.parametrize("quant", ["fp32", "bf16"])
 def test_fast_path_equals_transformers_layers_bit_for_bit(
     model_type: str, quant: str, tiny_folder: Callable[[str], Path]
@@ -79,7 +80,7 @@ def assert_within_bf16_rounding(ours: list[torch.Tensor], theirs: list[torch.Ten
         assert float(error) < 0.02
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", *SLIDING])
 def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
     model_type: str, compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
@@ -95,12 +96,13 @@ def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: q/k norms, sliding layers
 def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
-    compute: str, tiny_folder: Callable[[str], Path]
+    model_type: str, compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
     from torch._dynamo.utils import counters
 
-    source = resolve(str(tiny_folder("llama")))
+    source = resolve(str(tiny_folder(model_type)))
     span = LayerSpan(0, source.spec.num_layers)
     int8 = load_shard(source, span, "int8", compile=True)  # warm-up builds the graph
     assert int8.fast.graph is not None and int8.fast.graph.built

@@ -86,6 +86,19 @@ def test_layer_bytes_from_config_match_bytes_loaded(
     assert abs(predicted - shard.weight_bytes()) / shard.weight_bytes() < 0.02
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+def test_qwen3_layer_bytes_count_wide_heads_and_head_norms(
+    quant: Quant, tiny_folder: Callable[[str], Path]
+) -> None:
+    """Qwen3's heads are wider than hidden / heads (q and o are not square) and each layer
+    has q/k norms: sizing from the config matches the loaded span within 2%."""
+    source = resolve(str(tiny_folder("qwen3")))
+    assert source.spec.head_dim == 32 != source.spec.hidden_size // source.spec.num_heads
+    shard = load_shard(source, LayerSpan(0, 2), quant)
+    predicted = 2 * local_layer_bytes(source.spec, quant)
+    assert abs(predicted - shard.weight_bytes()) / shard.weight_bytes() < 0.02
+
+
 def test_int8_row_scales_count_after_bitsandbytes_moves_them(
     tiny_folder: Callable[[str], Path],
 ) -> None:

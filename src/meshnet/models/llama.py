@@ -1,4 +1,9 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral and Qwen2 (same layer structure).
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 (same layer structure;
+Qwen3 adds an RMSNorm over each query and key head, and may set its own head width).
+
+Sliding-window attention: Mistral's layers all attend over the last `sliding_window` tokens
+when its config sets one; Qwen2/Qwen3 mark such layers in `layer_types`. `layer_window`
+reads a built layer's window, and every path masks by it.
 
 torch and transformers are imported inside the functions that build modules, so sizing from a
 config stays torch-free.
@@ -25,6 +30,7 @@ _CLASSES = {
         "MistralRMSNorm",
     ),
     "qwen2": ("qwen2", "Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding", "Qwen2RMSNorm"),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding", "Qwen3RMSNorm"),
 }
 
 # GGUF (llama.cpp) tensor names for one layer, by the HF name's suffix.
@@ -44,6 +50,20 @@ _GGUF_HEAD = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+
+
+def layer_window(layer: Any) -> int | None:
+    """The sliding window a built decoder layer attends over, None for full attention.
+
+    Qwen2/Qwen3 attention keeps its own (None unless `layer_types` marks it sliding); Mistral
+    reads its config's `sliding_window` for every layer; Llama has none.
+    """
+    attn = layer.self_attn
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    else:
+        window = getattr(attn.config, "sliding_window", None)
+    return int(window) if window else None
 
 
 def _classes(model_type: str) -> tuple[Any, ...]:
@@ -72,7 +92,9 @@ class LlamaFamily:
             max_positions=int(config.get("max_position_embeddings", 2048)),
             extra={
                 "attention_bias": bool(config.get("attention_bias", False))
-                or config["model_type"] == "qwen2"
+                or config["model_type"] == "qwen2",
+                "head_dim": int(config.get("head_dim") or 0) or None,
+                "qk_norm": config["model_type"] == "qwen3",
             },
         )
 
@@ -99,11 +121,13 @@ class LlamaFamily:
         )
 
     def layer_params(self, spec: ModelSpec) -> tuple[int, int, int]:
-        h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
-        out_rows = h + 2 * kv + h + 3 * spec.intermediate_size  # q, k, v, o, gate, up, down
-        linear = h * (h + 2 * kv) + h * h + 3 * h * spec.intermediate_size
-        bias = (h + 2 * kv) if spec.extra.get("attention_bias") else 0
-        return linear, out_rows, 2 * h + bias  # two RMSNorm weights (+ q/k/v biases)
+        h, i = spec.hidden_size, spec.intermediate_size
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        out_rows = q + 2 * kv + h + 3 * i  # q, k, v, o, gate, up, down
+        linear = h * (q + 2 * kv) + q * h + 3 * h * i
+        bias = (q + 2 * kv) if spec.extra.get("attention_bias") else 0
+        qk_norm = 2 * spec.head_dim if spec.extra.get("qk_norm") else 0
+        return linear, out_rows, 2 * h + bias + qk_norm  # two RMSNorms (+ q/k/v biases, q/k norms)
 
     def layer_names(self, index: int) -> list[str]:
         return [f"model.layers.{index}."]
@@ -141,8 +165,6 @@ class LlamaFamily:
                 rope_parameters={"rope_type": "default", "rope_theta": spec.extra["rope_theta"]},
             )
         config._attn_implementation = "sdpa"
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-            raise ModelError("sliding-window attention layers are not supported yet")
         return config
 
     def build_layer(self, config: Any, index: int) -> Any:
@@ -157,11 +179,11 @@ class LlamaFamily:
 
         positions = positions_for(hidden, position)
         embeddings = extras(hidden, position_ids=positions)  # (cos, sin), each [B, T, head_dim]
-        mask = causal_mask(hidden, position)
+        masks = {w: causal_mask(hidden, position, w) for w in {layer_window(x) for x in layers}}
         for layer in layers:
             hidden = layer(
                 hidden,
-                attention_mask=mask,
+                attention_mask=masks[layer_window(layer)],
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,

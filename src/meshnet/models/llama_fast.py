@@ -30,7 +30,8 @@ from meshnet.models.products import Product
 from meshnet.models.shard import causal_mask, causal_mask_for
 
 MIN_ROPE_POSITIONS = 256  # positions the rotary table first holds; it doubles when needed
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # one formula (`RMSNorm`)
+# one formula (`RMSNorm`)
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 class RMSNorm:
@@ -40,6 +41,23 @@ class RMSNorm:
     def __init__(self, module: nn.Module) -> None:
         self.weight = torch.as_tensor(module.weight)  # [H]
         self.eps = float(module.variance_epsilon)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class HeadNorm:
+    """Qwen3's RMSNorm of each query head (`q_norm`) and key head (`k_norm`), both at once
+    over the query and key heads [..., heads + kv, D]: the same elementwise ops and
+    per-row means as the two modules, one weight row per head."""
+
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, heads: int, kv_heads: int) -> None:
+        q, k = torch.as_tensor(q_norm.weight), torch.as_tensor(k_norm.weight)  # [D] each
+        q, k = q.detach(), k.detach()  # plain tensors: the compiled step reads them
+        self.weight = torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)])  # [heads+kv, D]
+        self.eps = float(q_norm.variance_epsilon)  # type: ignore[arg-type]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -57,10 +75,14 @@ class FusedLayer:
     post_norm: RMSNorm
     gate_up: Product  # -> [2 I]
     down: Product  # -> [H]
+    head_norm: HeadNorm | None = None  # Qwen3's q/k norms
+    window: int | None = None  # sliding-window attention over this many tokens
 
 
-def fuse_layer(layer: Any) -> FusedLayer | None:
+def fuse_layer(layer: Any, config: Any) -> FusedLayer | None:
     """The fused view of a Llama-style decoder layer, or None (nf4, or an unusual layer)."""
+    from meshnet.models.llama import layer_window
+
     attn, mlp = layer.self_attn, layer.mlp
     if mlp.act_fn.__class__.__name__ not in ("SiLU", "SiLUActivation"):
         return None
@@ -77,7 +99,14 @@ def fuse_layer(layer: Any) -> FusedLayer | None:
         return None
     qkv, o, gate_up, down = parts
     assert qkv and o and gate_up and down  # narrowed above; for the type checker
-    return FusedLayer(RMSNorm(norms[0]), qkv, o, RMSNorm(norms[1]), gate_up, down)
+    head_norm = None
+    if hasattr(attn, "q_norm"):
+        heads = int(config.num_attention_heads)
+        kv_heads = int(config.num_key_value_heads or heads)
+        head_norm = HeadNorm(attn.q_norm, attn.k_norm, heads, kv_heads)
+    norm_in, norm_post = RMSNorm(norms[0]), RMSNorm(norms[1])
+    window = layer_window(layer)
+    return FusedLayer(norm_in, qkv, o, norm_post, gate_up, down, head_norm, window)
 
 
 class RopeTable:
@@ -148,10 +177,11 @@ class FastSpan:
             out = self._decode_compiled(hidden, kv, position, rope)
             if out is not None:
                 return out
-        mask = causal_mask(hidden, position)  # None for one token or an empty cache
+        windows = {layer.window for layer in self.layers}
+        masks = {w: causal_mask(hidden, position, w) for w in windows}  # None: is_causal does
         caches = zip(kv.keys.unbind(0), kv.values.unbind(0), strict=True)  # [B, kv, cap, D]
         for layer, layer_kv in zip(self.layers, caches, strict=True):
-            hidden = self._layer(layer, hidden, rope, layer_kv, position, mask)
+            hidden = self._layer(layer, hidden, rope, layer_kv, position, masks[layer.window])
         kv.length = position + tokens
         return hidden
 
@@ -207,16 +237,17 @@ class FastSpan:
         session's (position, tokens), in packing order."""
         tokens, width = x.shape[1], (self.heads + self.kv_heads) * self.head_dim
         qkv = layer.qkv(layer.input_norm(x))  # [1, N, (heads + 2 kv) D]
-        qk = _rotate(qkv[..., :width].view(1, tokens, -1, self.head_dim).transpose(1, 2), *rope)
+        qk = _rotate(_heads(layer, qkv[..., :width], self.head_dim).transpose(1, 2), *rope)
         values = qkv[..., width:].view(1, tokens, -1, self.head_dim).transpose(1, 2)
         rows, start = [], 0  # [1, heads + kv, N, D] and [1, kv, N, D] above
         for (keys_b, values_b), (p, t) in zip(kvs, spans, strict=True):
             mine = slice(start, start + t)
             keys_b[:, :, p : p + t] = qk[:, self.heads :, mine]
             values_b[:, :, p : p + t] = values[:, :, mine]
-            mask = causal_mask_for(t, p, x.device)
+            mask = causal_mask_for(t, p, x.device, layer.window)
             q = qk[:, : self.heads, mine]
-            rows.append(self._attend(q, keys_b[:, :, : p + t], values_b[:, :, : p + t], mask, p))
+            keys_p, values_p = keys_b[:, :, : p + t], values_b[:, :, : p + t]
+            rows.append(self._attend(q, keys_p, values_p, mask, p, layer.window))
             start += t
         attended = torch.cat(rows, dim=2)  # [1, heads, N, D]
         x = x + layer.o(attended.transpose(1, 2).reshape(1, tokens, -1))
@@ -253,7 +284,7 @@ class FastSpan:
         end, width = position + tokens, (self.heads + self.kv_heads) * self.head_dim
         qkv = layer.qkv(layer.input_norm(x))  # [B, T, (heads + 2 kv) D]
         # queries and keys rotate together: the same elementwise ops on the same numbers
-        qk = qkv[..., :width].view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+        qk = _heads(layer, qkv[..., :width], self.head_dim).transpose(1, 2)
         qk = _rotate(qk, *rope)  # [B, heads + kv, T, D]
         keys, values = kv
         keys[:, :, position:end] = qk[:, self.heads :]
@@ -261,7 +292,7 @@ class FastSpan:
             qkv[..., width:].view(batch, tokens, -1, self.head_dim).transpose(1, 2)
         )
         attended = self._attend(
-            qk[:, : self.heads], keys[:, :, :end], values[:, :, :end], mask, position
+            qk[:, : self.heads], keys[:, :, :end], values[:, :, :end], mask, position, layer.window
         )
         x = x + layer.o(attended.transpose(1, 2).reshape(batch, tokens, -1))
         gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
@@ -274,13 +305,18 @@ class FastSpan:
         values: torch.Tensor,
         mask: torch.Tensor | None,
         position: int,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, end, D].
+        """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, end, D] (`mask`
+        carries a sliding `window`).
 
         PyTorch's SDPA, as transformers calls it: the same kernel keeps results bit-for-bit
-        equal. Without that constraint (int8 weights) one token attends by two products.
+        equal. Without that constraint (int8 weights) one token attends by two products, over
+        the last `window` keys only.
         """
         if not self.exact and q.shape[2] == 1:
+            if window is not None:
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
             return self._attend_one(q, keys, values)
         return F.scaled_dot_product_attention(
             q,
@@ -306,6 +342,13 @@ class FastSpan:
         return torch.bmm(probs, values).view(batch, self.heads, 1, self.head_dim)
 
 
+def _heads(layer: FusedLayer, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The query and key rows [..., (heads + kv) D] as heads [..., heads + kv, D], each
+    normalised first where the layer has q/k norms (Qwen3)."""
+    heads = qk.view(*qk.shape[:-1], -1, head_dim)
+    return heads if layer.head_norm is None else layer.head_norm(heads)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, equal to transformers' `x * cos + rotate_half(x) * sin`.
 
@@ -321,7 +364,7 @@ def fast_span(
     """The fast path for `layers`, or None when any layer cannot take it (nf4, GELU MLPs...)."""
     if getattr(config, "hidden_act", "silu") != "silu":
         return None
-    fused = [fuse_layer(layer) for layer in layers]
+    fused = [fuse_layer(layer, config) for layer in layers]
     ready = [f for f in fused if f is not None]
     if len(ready) != len(fused) or len({type(f.qkv) for f in ready}) != 1:
         return None

@@ -83,8 +83,12 @@ class DecodeGraph:
         values: list[torch.Tensor],
         position: torch.Tensor,
     ) -> torch.Tensor:
-        masked = torch.arange(keys[0].shape[1]) > position  # [window]: not yet written
+        at = torch.arange(keys[0].shape[1])  # [window]
+        unwritten = at > position
         for layer, k, v in zip(self.span.layers, keys, values, strict=True):
+            masked = (
+                unwritten if layer.window is None else unwritten | (at <= position - layer.window)
+            )
             x = self._layer(layer, x, cos, sin, k, v, position, masked)
         return x
 
@@ -102,6 +106,8 @@ class DecodeGraph:
         span, d = self.span, self.span.head_dim
         qkv = layer.qkv(layer.input_norm(x))  # [1, (heads + 2 kv) D]
         qk = qkv[:, : self.width].view(-1, d)  # [heads + kv, D]
+        if layer.head_norm is not None:  # Qwen3's q/k norms
+            qk = layer.head_norm(qk)
         qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin
         keys.index_copy_(1, position, qk[span.heads :].unsqueeze(1))
         values.index_copy_(1, position, qkv[:, self.width :].view(-1, 1, d))

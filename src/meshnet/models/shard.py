@@ -19,23 +19,34 @@ def positions_for(hidden: torch.Tensor, position: int) -> torch.Tensor:
     return torch.arange(position, position + hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-def causal_mask(hidden: torch.Tensor, position: int) -> torch.Tensor | None:
+def causal_mask(
+    hidden: torch.Tensor, position: int, window: int | None = None
+) -> torch.Tensor | None:
     """The SDPA mask for `hidden` [B, T, H] after `position` cached tokens (`causal_mask_for`)."""
-    return causal_mask_for(hidden.shape[1], position, hidden.device)
+    return causal_mask_for(hidden.shape[1], position, hidden.device, window)
 
 
-def causal_mask_for(tokens: int, position: int, device: torch.device) -> torch.Tensor | None:
-    """The SDPA mask for `tokens` new tokens after `position` cached ones.
+def causal_mask_for(
+    tokens: int, position: int, device: torch.device, window: int | None = None
+) -> torch.Tensor | None:
+    """The SDPA mask for `tokens` new tokens after `position` cached ones; with a sliding
+    `window`, a query at q sees keys k with q - window < k <= q (transformers' rule).
 
     None when SDPA's own `is_causal` is right: a single token (sees everything cached) or an
-    empty cache. A chunk after cached tokens needs an explicit `[1, 1, T, position + T]` bool
-    mask (True = attend): `is_causal` would align the triangle to the wrong corner.
+    empty cache, and no key falls out of the window. Otherwise an explicit
+    `[1, 1, T, position + T]` bool mask (True = attend): `is_causal` would align the triangle
+    to the wrong corner.
     """
-    if tokens == 1 or position == 0:
+    end = position + tokens
+    slides = window is not None and end > window
+    if (tokens == 1 or position == 0) and not slides:
         return None
-    keys = torch.arange(position + tokens, device=device)
-    queries = torch.arange(position, position + tokens, device=device)
-    return (keys[None, :] <= queries[:, None])[None, None]
+    keys = torch.arange(end, device=device)
+    queries = torch.arange(position, end, device=device)
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None and slides:
+        visible &= keys[None, :] > queries[:, None] - window
+    return visible[None, None]
 
 
 @dataclass

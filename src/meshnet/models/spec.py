@@ -22,7 +22,10 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of one attention head: the config's `head_dim` where it sets one (Qwen3's
+        heads are wider than hidden / heads), else hidden / heads."""
+        width = self.extra.get("head_dim")
+        return int(str(width)) if width else self.hidden_size // self.num_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one token costs in one layer (keys and values)."""
