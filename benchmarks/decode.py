@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", help="a python with llama-cpp-python installed")
-    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8", "nf4"])
+    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8", "nf4", "q4"])
     parser.add_argument(
         "--device", default="cpu", help="cpu, cuda or cuda:N: where the 1-node rows run"
     )

@@ -1,6 +1,7 @@
 """Perplexity of a model run through the shard path, per quantization.
 
     python benchmarks/quality.py          # the default model, 2,048 tokens of english.txt
+    python benchmarks/quality.py --model path/to/gemma-3-270m-q4_k_m.gguf   # another model
     python benchmarks/quality.py --tiny   # a tiny random model (what the tests run)
 
 Three shards and the head, 128-token chunks, bf16 activations between shards: the mesh's path.
@@ -36,18 +37,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--model", default="default", help="what `meshnet --model` takes")
     args = parser.parse_args()
     if args.tiny:
         from tests.models.fixtures import tiny_source
 
         source = tiny_source()
         ids = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(0))
-        quants = [("fp32", True), ("nf4", True)]
+        quants = [("fp32", True), ("nf4", True), ("q4", True)]
     else:
-        source = resolve("default")
+        source = resolve(args.model)
         text = (ROOT / "tests" / "data" / "english.txt").read_text()
         ids = load_tokenizer(source)(text, return_tensors="pt")["input_ids"][:, : args.tokens]
         quants = [("fp32", True), ("bf16", True), ("int8", True), ("int8", False), ("nf4", True)]
+        quants.append(("q4", True))
     print(f"| quant | perplexity ({ids.shape[1]} tokens, {source.model_id}) |")
     print("|---|---:|")
     for quant, fast in quants:

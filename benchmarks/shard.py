@@ -1,4 +1,5 @@
-"""Shard overhead: a meshnet shard of 10 layers vs the same 10 layers in transformers' model.
+"""Shard overhead: a meshnet shard of 10 layers vs the same 10 layers in transformers' model,
+and the memory a layer costs at each quantization.
 
     python benchmarks/shard.py           # the default model, layers 10:20, all quantizations
     python benchmarks/shard.py --tiny    # a tiny random model, seconds (what the tests run)
@@ -7,12 +8,20 @@ The monolithic side is transformers' own `LlamaModel` forward (its masks, rotary
 handling) over the very same layer modules; the shard side is `Shard.forward`. Decode: ms per
 token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians of
 alternated calls (shard, monolithic, shard, ...), so machine noise hits both sides alike.
+
+Memory: each quantization's span is loaded again in a fresh process; "RSS per layer" is that
+process's resident memory after loading minus before (imports done), over the layers: what a
+layer really costs a node (allocator slack and load-time copies included). "Weights per
+layer" is what the shard holds (`Shard.weight_bytes`), "sizing" what the planner predicts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,9 +30,12 @@ import torch
 
 from meshnet.models.cache import new_cache, truncate
 from meshnet.models.loader import load_shard
+from meshnet.models.quantize import local_layer_bytes
 from meshnet.models.shard import Shard
 from meshnet.models.source import resolve
-from meshnet.types import LayerSpan
+from meshnet.types import LayerSpan, parse_quant
+
+MIB = 1 << 20
 
 
 def paired_medians(
@@ -95,38 +107,73 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
     return shard_d * 1e3, mono_d * 1e3, tokens / shard_p, tokens / mono_p
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (Linux `/proc/self/status`)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def memory_child(model: str, span: str, quant: str) -> None:
+    """Run in a fresh process: load the span, print its memory figures as JSON."""
+    source = resolve(model)
+    before = rss_bytes()
+    shard = load_shard(source, LayerSpan.parse(span), parse_quant(quant))
+    grown = rss_bytes() - before
+    print(json.dumps({"rss": grown, "weights": shard.weight_bytes()}))
+
+
+def memory_row(model: str, span: LayerSpan, quant: str) -> str:
+    """'| RSS per layer | weights per layer | sizing per layer |' in MiB, from a fresh process."""
+    child = [sys.executable, __file__, "--memory-child", model, str(span), quant]
+    out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    layers = len(span)
+    sizing = local_layer_bytes(resolve(model).spec, parse_quant(quant))
+    return (
+        f"{figures['rss'] / layers / MIB:.2f} | {figures['weights'] / layers / MIB:.2f} | "
+        f"{sizing / MIB:.2f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(*args.memory_child)
+        return
     if args.tiny:
-        import sys
-
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.models.fixtures import tiny_source
 
         source = tiny_source()
-        span, quants, tokens, repeat = LayerSpan(2, 4), ["fp32", "nf4"], 16, 2
+        span, quants, tokens, repeat = LayerSpan(2, 4), ["fp32", "nf4", "q4"], 16, 2
     else:
         source = resolve("default")
         span, quants, tokens, repeat = (
             LayerSpan(10, 20),
-            ["fp32", "bf16", "int8", "nf4"],
+            ["fp32", "bf16", "int8", "nf4", "q4"],
             128,
             args.repeat,
         )
     print(
         f"| quant | shard decode ms/token | monolithic decode ms/token | decode ratio | "
-        f"shard prefill tok/s | monolithic prefill tok/s | prefill ratio |  ({span})"
+        f"shard prefill tok/s | monolithic prefill tok/s | prefill ratio | RSS per layer MiB | "
+        f"weights per layer MiB | sizing per layer MiB |  ({span})"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for quant in quants:
         shard = load_shard(source, span, quant)
         sd, md, sp, mp = measure(shard, tokens, repeat)
+        del shard
+        memory = memory_row(str(source.path), span, quant)
         print(
             f"| {quant} | {sd:.2f} | {md:.2f} | {sd / md:.3f} | {sp:,.0f} | {mp:,.0f} | "
-            f"{sp / mp:.3f} |"
+            f"{sp / mp:.3f} | {memory}"
         )
 
 

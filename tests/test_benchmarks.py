@@ -49,14 +49,23 @@ def test_planner_benchmark_prints_plan_times() -> None:
 
 @pytest.mark.slow
 def test_shard_benchmark_prints_a_table() -> None:
-    rows = [line for line in run_tiny("shard.py").splitlines() if line.startswith("| fp32")]
-    assert len(rows) == 1 and float(rows[0].split("|")[4]) > 0  # a decode ratio
+    lines = run_tiny("shard.py").splitlines()
+    rows = {
+        q: [c.strip() for c in line.split("|")]
+        for q in ("fp32", "q4")
+        for line in lines
+        if line.startswith(f"| {q} |")
+    }
+    assert float(rows["fp32"][4]) > 0  # a decode ratio
+    for cells in rows.values():  # RSS, weights and sizing per layer, MiB
+        assert float(cells[8]) > 0 and float(cells[9]) == float(cells[10])
 
 
 @pytest.mark.slow
 def test_quality_benchmark_prints_perplexities() -> None:
-    rows = [line for line in run_tiny("quality.py").splitlines() if line.startswith("| nf4")]
-    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 1
+    lines = run_tiny("quality.py").splitlines()
+    rows = [line for line in lines if line.startswith(("| nf4 |", "| q4 |"))]
+    assert len(rows) == 2 and all(float(row.split("|")[2]) > 1 for row in rows)
 
 
 SCRIPTS = [p.name for p in BENCHMARKS.glob("*.py") if '__name__ == "__main__"' in p.read_text()]

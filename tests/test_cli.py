@@ -94,3 +94,17 @@ def test_cuda_on_a_host_without_it_stops_before_loading(
 
     assert main([*command, "--device", "cuda", "--port", str(free_port())]) == 2
     assert "--device cuda: " in capsys.readouterr().err
+
+
+def test_q4_on_a_cuda_device_stops_before_loading(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q4 weights run on CPU nodes only: a node that would put them on a GPU exits 2 saying
+    so, before registering (the device check is faked: this host may have no GPU)."""
+    from meshnet.assemble import node
+    from meshnet.cli import main
+    from tests.e2e.procs import free_port
+
+    monkeypatch.setattr(node, "resolve_device", lambda device: "cuda:0")
+    assert main(["node", "--quant", "q4", "--port", str(free_port())]) == 2
+    assert "--quant q4 runs on CPU nodes only, not cuda:0" in capsys.readouterr().err

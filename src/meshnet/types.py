@@ -13,9 +13,9 @@ ModelId = NewType("ModelId", str)
 
 # what a model source is: the embedded default, a .gguf file, a checkpoint folder, a hub id
 SourceKind = Literal["default", "gguf", "folder", "hub"]
-Quant = Literal["fp32", "bf16", "int8", "nf4"]  # how a node stores its layers' weights
+Quant = Literal["fp32", "bf16", "int8", "nf4", "q4"]  # how a node stores its layers' weights
 QUANTS: tuple[Quant, ...] = get_args(Quant)
-ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4 layers compute in (ADR-0024)
+ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4/q4 layers compute in (ADR-0024)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 # where a node's weights, caches and compute live: "auto" (CUDA when PyTorch sees one, else
 # the CPU), "cpu", "cuda" (the first CUDA device) or "cuda:N"; resolved once at start-up

@@ -61,3 +61,17 @@ def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def ask_france(url: str, model: str = "default") -> str:
+    """The entry at `url`'s greedy chat answer to the France question, through `openai`."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    answer = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=12,
+    )
+    return answer.choices[0].message.content or ""

@@ -8,12 +8,11 @@ import math
 import os
 from pathlib import Path
 
-import openai
 import pytest
 
 from meshnet.models.quantize import default_quant, local_layer_bytes, preferred_compute
 from meshnet.models.source import resolve
-from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import ask_france, free_port, get_json, start, stop, wait_for
 
 pytestmark = pytest.mark.slow
 COMPUTE = preferred_compute()  # what this machine (or $MESHNET_COMPUTE_DTYPE) picks
@@ -38,16 +37,8 @@ def test_a_mesh_on_the_defaults_answers(compute: str, tmp_path: Path) -> None:
         nodes = get_json(f"{url}/v1/coverage")["nodes"]
         assert sorted(n["quant"] for n in nodes) == [quant, quant]
         assert (Path(os.environ["HOME"]) / ".meshnet" / "swarm.key").exists()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
-        answer = client.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            temperature=0,
-            max_tokens=12,
-        )
-        assert (answer.choices[0].message.content or "").startswith(
-            "The capital of France is Paris."
-        )
+        content = ask_france(url)
+        assert content.startswith("The capital of France is Paris."), content
     finally:
         for process in (node, tracker):
             if process is not None:

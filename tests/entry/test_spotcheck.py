@@ -47,7 +47,7 @@ def test_whoever_agrees_with_no_other_copy_is_guilty(
 
 
 def test_tolerances_and_errors() -> None:
-    assert tolerance("bf16", "int8") < tolerance("nf4", "bf16")
+    assert tolerance("bf16", "int8") < tolerance("nf4", "bf16") == tolerance("bf16", "q4")
     assert relative_error(BASE, BASE) == 0.0
     assert relative_error(BASE[:, :2], BASE) == float("inf")  # another shape never agrees
     assert abs(relative_error(off_by(0.1), BASE) - 0.1) < 1e-5

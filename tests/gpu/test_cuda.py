@@ -33,7 +33,7 @@ def relative_error(mesh: torch.Tensor, ref: torch.Tensor) -> float:
     return float((mesh - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", [q for q in QUANTS if q != "q4"])  # q4: CPU nodes only
 def test_cuda_spans_match_the_cpu_reference(
     quant: str,
     default_source: ModelSource,

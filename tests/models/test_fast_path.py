@@ -20,6 +20,7 @@ from meshnet.models.cache import (
     new_cache,
     truncate,
 )
+from meshnet.models.int4 import Int4Linear
 from meshnet.models.llama_fast import RopeTable
 from meshnet.models.loader import load_shard
 from meshnet.models.products import Int8Rows
@@ -56,64 +57,88 @@ def test_fast_path_equals_transformers_layers_bit_for_bit(
 
 
 def dequantized(module: nn.Module) -> torch.Tensor:
-    """The fp32 weight [N, K] a bitsandbytes int8 module stands for: CB * SCB / 127."""
+    """The fp32 weight [N, K] a q4 module, or a bitsandbytes int8 one (CB * SCB / 127),
+    stands for."""
+    if isinstance(module, Int4Linear):
+        return module.dequantized()
     weight: Any = module.weight
     return weight.data.float() * weight.SCB.float()[:, None] / 127.0
 
 
-def same_weights_in_fp32(int8_shard: Shard, source: ModelSource) -> Shard:
-    """An eager fp32 shard whose linear weights are the int8 shard's, dequantized."""
-    eager = load_shard(source, int8_shard.span, "fp32", fast=False)
-    for ours, theirs in zip(int8_shard.layers, eager.layers, strict=True):
+def same_weights_in_fp32(quantized: Shard, source: ModelSource) -> Shard:
+    """An eager fp32 shard whose linear weights are the int8 or q4 shard's, dequantized."""
+    eager = load_shard(source, quantized.span, "fp32", fast=False)
+    for ours, theirs in zip(quantized.layers, eager.layers, strict=True):
         for name, module in ours.named_modules():
-            if type(module).__name__ == "Linear8bitLt":
+            if type(module).__name__ in ("Linear8bitLt", "Int4Linear"):
                 theirs.get_submodule(name).weight.data = dequantized(module)
     return eager
 
 
 def assert_within_bf16_rounding(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
-    """Each output within 2% (relative L2) of the reference's. int8 products take bf16
-    activations (relative rounding 2^-9) and outputs leave as bf16: measured at most 0.13%;
-    a wrong weight or cache entry gives tens of percent."""
+    """Each output within 2% (relative L2) of the reference's. int8 and q4 products take
+    bf16 activations (relative rounding 2^-9) and outputs leave as bf16: measured at most
+    0.13%; a wrong weight or cache entry gives tens of percent."""
     for mine, ref in zip(ours, theirs, strict=True):
         error = (mine.float() - ref.float()).norm() / ref.float().norm()
         assert float(error) < 0.02
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", *SLIDING])
-def test_int8_fast_path_equals_the_same_weights_within_bf16_rounding(
-    model_type: str, compute: str, tiny_folder: Callable[[str], Path]
+# int8 on every family; q4 on Qwen3's tiny config (q/k norms, sliding layers), whose q/k/v
+# rows the 4-bit packing can stack (`int4.STACK_ROWS`)
+QUANTIZED = [(m, "int8") for m in ("llama", "mistral", "qwen2", *SLIDING)] + [("qwen3", "q4")]
+PRODUCTS = {"int8": Int8Rows, "q4": Int4Linear}
+
+
+@pytest.mark.parametrize(("model_type", "quant"), QUANTIZED)
+def test_quantized_fast_path_equals_the_same_weights_within_bf16_rounding(
+    model_type: str, quant: str, compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
     source = resolve(str(tiny_folder(model_type)))
-    int8 = load_shard(source, LayerSpan(0, source.spec.num_layers), "int8")
-    assert isinstance(int8.fast.layers[0].qkv, Int8Rows)
-    reference = same_weights_in_fp32(int8, source)
+    shard = load_shard(source, LayerSpan(0, source.spec.num_layers), quant)
+    assert isinstance(shard.fast.layers[0].qkv, PRODUCTS[quant])
+    reference = same_weights_in_fp32(shard, source)
     torch.manual_seed(0)
     width = source.spec.hidden_size
     pieces = [torch.randn(1, 40, width), torch.randn(1, 30, width)]
     pieces += [torch.randn(1, 1, width) for _ in range(80)]
-    assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
+    assert_within_bf16_rounding(run(shard, pieces), run(reference, pieces))
+
+
+def test_q4_layers_the_packing_cannot_stack_run_eagerly(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    """Tiny llama's k and v have 32 rows each: stacked after q they would read as garbage
+    (`int4.STACK_ROWS`), so the span runs eagerly, with the same weights."""
+    source = resolve(str(tiny_folder("llama")))
+    q4 = load_shard(source, LayerSpan(0, 2), "q4")
+    assert q4.fast is None
+    reference = same_weights_in_fp32(q4, source)
+    pieces = [torch.randn(1, 12, source.spec.hidden_size)]
+    assert_within_bf16_rounding(run(q4, pieces), run(reference, pieces))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: q/k norms, sliding layers
-def test_compiled_int8_decode_equals_the_same_weights_without_recompiling(
-    model_type: str, compute: str, tiny_folder: Callable[[str], Path]
+@pytest.mark.parametrize(
+    ("model_type", "quant"), [("llama", "int8"), ("qwen3", "int8"), ("qwen3", "q4")]
+)  # qwen3: q/k norms, sliding layers
+def test_compiled_decode_equals_the_same_weights_without_recompiling(
+    model_type: str, quant: str, compute: str, tiny_folder: Callable[[str], Path]
 ) -> None:
     from torch._dynamo.utils import counters
 
     source = resolve(str(tiny_folder(model_type)))
     span = LayerSpan(0, source.spec.num_layers)
-    int8 = load_shard(source, span, "int8", compile=True)  # warm-up builds the graph
-    assert int8.fast.graph is not None and int8.fast.graph.built
-    reference = same_weights_in_fp32(int8, source)
+    shard = load_shard(source, span, quant, compile=True)  # warm-up builds the graph
+    assert shard.fast.graph is not None and shard.fast.graph.built
+    reference = same_weights_in_fp32(shard, source)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     width = source.spec.hidden_size
     # prefill runs eagerly; 100 decode steps cross two capacity doublings (64 -> 256) and
     # the attention window grows from 128 to 256 positions
     pieces = [torch.randn(1, 40, width)] + [torch.randn(1, 1, width) for _ in range(100)]
-    assert_within_bf16_rounding(run(int8, pieces), run(reference, pieces))
+    assert_within_bf16_rounding(run(shard, pieces), run(reference, pieces))
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the request path
 
 

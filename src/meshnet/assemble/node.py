@@ -54,8 +54,14 @@ ClientFactory = Callable[[], httpx.AsyncClient]
 
 def on_device(config: NodeConfig) -> NodeConfig:
     """`config` with its device resolved ("cpu" or "cuda:N"); ConfigError (before anything is
-    loaded, bound or written) when it asks for a CUDA device PyTorch cannot use."""
-    return replace(config, device=resolve_device(config.device))
+    loaded, bound or written) when it asks for a CUDA device PyTorch cannot use, or for q4
+    weights where they cannot run (ADR-0040)."""
+    resolved = replace(config, device=resolve_device(config.device))
+    if resolved.quant == "q4":
+        from meshnet.models.quantize import check_q4  # torch: only for a q4 node
+
+        check_q4(resolved.device)
+    return resolved
 
 
 def pinned_span(config: NodeConfig) -> LayerSpan | None:

@@ -47,12 +47,13 @@ Result = tuple[tuple[Hop, ...], torch.Tensor, Quant | None]  # (chain, its outpu
 # Wrong answers measured: another token's output 0.87-1.0, the input passed through 0.55-0.97.
 # A 5% perturbation (0.05) is within tolerance: spot checks catch garbage, not subtle bias.
 TOLERANCE = 0.15
-NF4_TOLERANCE = 0.5
+NF4_TOLERANCE = 0.5  # also q4's: 4-bit weights, re-quantized where the file's were not Q4
+_FOUR_BIT: set[Quant | None] = {"nf4", "q4"}
 
 
 def tolerance(a: Quant | None, b: Quant | None) -> float:
     """How far two honest copies with these weight quantizations may differ."""
-    return NF4_TOLERANCE if "nf4" in (a, b) or None in (a, b) else TOLERANCE
+    return NF4_TOLERANCE if _FOUR_BIT & {a, b} or None in (a, b) else TOLERANCE
 
 
 def relative_error(answer: torch.Tensor, reference: torch.Tensor) -> float:
@@ -243,6 +244,7 @@ async def _through(
 
 
 def _quant(chain: Sequence[Hop]) -> Quant | None:
-    """A chain's quantization for tolerance: nf4 if any hop is, else the first known."""
+    """A chain's quantization for tolerance: a 4-bit one if any hop's is, else the first
+    known."""
     quants = [h.quant for h in chain]
-    return "nf4" if "nf4" in quants else next((q for q in quants if q), None)
+    return next((q for q in quants if q in _FOUR_BIT), next((q for q in quants if q), None))

@@ -16,6 +16,7 @@ import torch
 
 from meshnet.errors import ModelError
 from meshnet.models.gguf_file import read_gguf
+from meshnet.models.int4 import Int4Blocks, from_gguf
 from meshnet.models.registry import Architecture
 from meshnet.models.spec import ModelSpec
 
@@ -27,6 +28,10 @@ class Checkpoint(Protocol):
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor (any float dtype, CPU); raises `ModelError` when absent."""
+        ...
+
+    def read_int4(self, name: str) -> Int4Blocks | None:
+        """The tensor's 4-bit codes as stored, when it is stored as such (`--quant q4`)."""
         ...
 
 
@@ -56,6 +61,9 @@ class SafetensorsCheckpoint:
         tensor: torch.Tensor = self._open[file].get_tensor(name)
         return tensor
 
+    def read_int4(self, name: str) -> Int4Blocks | None:
+        return None  # safetensors hold floats (or other schemes' packing): q4 re-quantizes
+
 
 def safetensors_index(folder: Path) -> dict[str, str]:
     """Tensor name -> file, from the index or from the single file's header."""
@@ -82,20 +90,35 @@ class GgufCheckpoint:
         self.tensors = {t.name: t for t in read_gguf(path).tensors}
 
     def has(self, name: str) -> bool:
-        return self.arch.gguf_name(name)[0] in self.tensors
+        return self.arch.gguf_name(name, self.spec)[0] in self.tensors
 
     def read(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        gguf_name, permute = self.arch.gguf_name(name)
+        gguf_name, permute = self.arch.gguf_name(name, self.spec)
         if gguf_name not in self.tensors:
             raise ModelError(f"tensor {gguf_name!r} ({name}) is missing from {self.path.name}")
         tensor = self.tensors[gguf_name]
         values = dequantize(tensor.data, tensor.tensor_type)  # float32, [out, in] torch order
-        if permute is not None:
+        if permute == "plus_one":  # Gemma's norms: llama.cpp keeps 1 + w
+            values = values - 1.0
+        elif permute is not None:
             heads = self.spec.num_heads if permute == "q" else self.spec.num_kv_heads
             values = unpermute_rope(values, heads)
         return torch.from_numpy(np.array(values, dtype=np.float32))  # own, writable copy
+
+    def read_int4(self, name: str) -> Int4Blocks | None:
+        """A Q4_0/Q4_1/Q4_K tensor's blocks, rows in Hugging Face order; None for others."""
+        gguf_name, permute = self.arch.gguf_name(name, self.spec)
+        tensor = self.tensors.get(gguf_name)
+        if tensor is None or permute == "plus_one" or len(tensor.shape) != 2:
+            return None
+        rows, cols = (int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        blocks = from_gguf(tensor.tensor_type.name, tensor.data, (rows, cols))
+        if blocks is None or permute is None:
+            return blocks
+        heads = self.spec.num_heads if permute == "q" else self.spec.num_kv_heads
+        return blocks.rows(unpermute_rope(np.arange(rows), heads))
 
 
 def unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:

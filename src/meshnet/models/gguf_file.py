@@ -118,7 +118,13 @@ def read_gguf(path: Path) -> GgufFile:
     start = -(-cursor.offset // alignment) * alignment
     tensors = []
     for name, shape, kind, offset in infos:
-        qtype = GGMLQuantizationType(kind)
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ModelError(
+                f"{path.name}: tensor {name!r} has GGML type {kind}, unknown to meshnet's gguf "
+                f"reader (a newer llama.cpp format?)"
+            ) from None
         count, dims = int(np.prod(shape)), tuple(reversed(shape))
         if kind in _PLAIN_DTYPES:
             dtype = np.dtype(_PLAIN_DTYPES[kind])
@@ -132,6 +138,29 @@ def read_gguf(path: Path) -> GgufFile:
         data = np.frombuffer(mapped, dtype, count, start + offset).reshape(dims)
         tensors.append(GgufTensor(name, qtype, shape, data))
     return GgufFile(fields, tensors)
+
+
+def check_readable(path: Path) -> None:
+    """Refuse (ModelError, naming the tensor, its type and the architecture) a GGUF file
+    holding a tensor type meshnet cannot dequantize: at start-up, not when a span loads."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    file = read_gguf(path)
+    seen: set[Any] = set()
+    for tensor in file.tensors:
+        if tensor.tensor_type in seen or tensor.tensor_type.value in _PLAIN_DTYPES:
+            continue
+        seen.add(tensor.tensor_type)
+        block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+        try:
+            dequantize(np.zeros((1, block_bytes), np.uint8), tensor.tensor_type)
+        except (NotImplementedError, KeyError, ValueError):
+            arch = file.fields.get("general.architecture", "?")
+            raise ModelError(
+                f"{path.name} ({arch}): tensor {tensor.name!r} is {tensor.tensor_type.name}, "
+                f"a type meshnet cannot read"
+            ) from None
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:

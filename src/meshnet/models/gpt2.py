@@ -49,7 +49,7 @@ class GPT2:
             "lm_head.weight": ["lm_head.weight"],
         }
 
-    def gguf_name(self, hf_name: str) -> tuple[str, str | None]:
+    def gguf_name(self, hf_name: str, spec: ModelSpec) -> tuple[str, str | None]:
         raise ModelError("GPT-2 GGUF files are not supported")
 
     def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> Any:

@@ -44,7 +44,10 @@ _GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp's names for the family's files
 _GGUF_HEAD = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -79,44 +82,45 @@ class LlamaFamily:
     model_types: tuple[str, ...] = tuple(_CLASSES)
 
     def spec_from_config(self, config: Mapping[str, Any]) -> ModelSpec:
-        heads = int(config["num_attention_heads"])
-        return ModelSpec(
-            model_type=str(config["model_type"]),
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=int(config["hidden_size"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_positions=int(config.get("max_position_embeddings", 2048)),
-            extra={
-                "attention_bias": bool(config.get("attention_bias", False))
-                or config["model_type"] == "qwen2",
-                "head_dim": int(config.get("head_dim") or 0) or None,
-                "qk_norm": config["model_type"] == "qwen3",
-            },
-        )
+        model_type = str(config["model_type"])
+        extra: dict[str, object] = {
+            "attention_bias": bool(config.get("attention_bias", False)) or model_type == "qwen2",
+            "head_dim": int(config.get("head_dim") or 0) or None,
+            "qk_norm": model_type == "qwen3",
+        }
+        defaults = {"tie": False, "positions": 2048}
+        return ModelSpec.from_config(config, model_type, defaults, extra)
 
     def spec_from_gguf(self, fields: Mapping[str, Any], tensor_names: set[str]) -> ModelSpec:
-        arch = fields["general.architecture"]
-        if arch != "llama":
-            raise ModelError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+        """llama.cpp's `llama` (Llama, SmolLM2, most Mistral files), `qwen2` and `qwen3`."""
+        arch = str(fields["general.architecture"])
+        if arch not in _GGUF_ARCHS:
+            raise ModelError(f"GGUF architecture {arch!r} is not in the Llama family")
+
+        def field(name: str, default: Any = None) -> Any:
+            value = fields.get(f"{arch}.{name}", default)
+            if value is None:
+                raise ModelError(f"GGUF {arch} file has no '{arch}.{name}'")
+            return value
+
+        heads = int(field("attention.head_count"))
+        head_dim = int(field("attention.key_length", 0)) or None
         return ModelSpec(
-            model_type="llama",
-            num_layers=int(fields["llama.block_count"]),
-            hidden_size=int(fields["llama.embedding_length"]),
-            num_heads=int(fields["llama.attention.head_count"]),
-            num_kv_heads=int(
-                fields.get("llama.attention.head_count_kv", fields["llama.attention.head_count"])
-            ),
-            intermediate_size=int(fields["llama.feed_forward_length"]),
-            vocab_size=int(fields.get("llama.vocab_size", 0) or 0),
+            model_type=arch,
+            num_layers=int(field("block_count")),
+            hidden_size=int(field("embedding_length")),
+            num_heads=heads,
+            num_kv_heads=int(field("attention.head_count_kv", heads)),
+            intermediate_size=int(field("feed_forward_length")),
+            vocab_size=int(field("vocab_size", 0) or 0),
             tie_word_embeddings="output.weight" not in tensor_names,
-            max_positions=int(fields.get("llama.context_length", 2048)),
+            max_positions=int(field("context_length", 2048)),
             extra={
-                "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
-                "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"]),
+                "rope_theta": float(field("rope.freq_base", 10000.0)),
+                "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+                "head_dim": head_dim if head_dim != field("embedding_length") // heads else None,
+                "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+                "qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
             },
         )
 
@@ -126,7 +130,9 @@ class LlamaFamily:
         out_rows = q + 2 * kv + h + 3 * i  # q, k, v, o, gate, up, down
         linear = h * (q + 2 * kv) + q * h + 3 * h * i
         bias = (q + 2 * kv) if spec.extra.get("attention_bias") else 0
-        qk_norm = 2 * spec.head_dim if spec.extra.get("qk_norm") else 0
+        # q/k norms [D] each, and the fast path's one row per head of them (`HeadNorm`)
+        qk_norm = (2 + spec.num_heads + spec.num_kv_heads) * spec.head_dim
+        qk_norm = qk_norm if spec.extra.get("qk_norm") else 0
         return linear, out_rows, 2 * h + bias + qk_norm  # two RMSNorms (+ q/k/v biases, q/k norms)
 
     def layer_names(self, index: int) -> list[str]:
@@ -139,12 +145,15 @@ class LlamaFamily:
             "lm_head.weight": ["lm_head.weight"],
         }
 
-    def gguf_name(self, hf_name: str) -> tuple[str, str | None]:
+    def gguf_name(self, hf_name: str, spec: ModelSpec) -> tuple[str, str | None]:
         if hf_name in _GGUF_HEAD:
             return _GGUF_HEAD[hf_name], None
         _, _, index, rest = hf_name.split(".", 3)  # model.layers.{i}.{module}.{param}
         module, param = rest.rsplit(".", 1)
+        # llama.cpp interleaves the rotary halves of q/k rows for its `llama` files only
         permute = {"self_attn.q_proj": "q", "self_attn.k_proj": "k"}.get(module)
+        if spec.model_type != "llama" or param != "weight":
+            permute = None
         return f"blk.{index}.{_GGUF_LAYER[module]}.{param}", permute
 
     def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> Any:
@@ -153,16 +162,9 @@ class LlamaFamily:
             config = config_cls(**{k: v for k, v in raw.items() if k != "architectures"})
         else:  # from GGUF
             config = config_cls(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
-                num_hidden_layers=spec.num_layers,
-                num_attention_heads=spec.num_heads,
-                num_key_value_heads=spec.num_kv_heads,
-                max_position_embeddings=spec.max_positions,
-                rms_norm_eps=spec.extra["rms_norm_eps"],
-                tie_word_embeddings=spec.tie_word_embeddings,
+                **spec.config_kwargs(),
                 rope_parameters={"rope_type": "default", "rope_theta": spec.extra["rope_theta"]},
+                attention_bias=bool(spec.extra.get("attention_bias")),
             )
         config._attn_implementation = "sdpa"
         return config

@@ -19,6 +19,7 @@ from torch import nn
 from meshnet.errors import ModelError
 from meshnet.models import quantize
 from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsCheckpoint
+from meshnet.models.int4 import Int4Blocks
 from meshnet.models.shard import Head, Shard
 from meshnet.models.source import ModelSource, layer_tensor_names
 from meshnet.observe.progress import progress
@@ -87,11 +88,28 @@ def load_layer(
         layer = arch.build_layer(config, index)
     prefixes = arch.layer_names(index)
     names = {key: [p + key for p in prefixes] for key in layer.state_dict()}
+    blocks = read_int4_blocks(layer, checkpoint, names) if quant == "q4" else {}
     layer.load_state_dict(read_state(layer, checkpoint, names), assign=True, strict=True)
     for module in layer.modules():  # the shard's cache numbers its layers from 0
         if hasattr(module, "layer_idx"):
             setattr(module, "layer_idx", local_index)  # noqa: B010 - not a Tensor attribute
-    return quantize.quantize_layer(layer, quant, device).eval()
+    return quantize.quantize_layer(layer, quant, device, blocks).eval()
+
+
+def read_int4_blocks(
+    layer: nn.Module, checkpoint: Checkpoint, names: dict[str, list[str]]
+) -> dict[str, Int4Blocks]:
+    """The 4-bit codes the checkpoint holds for `layer`'s linear weights, by module path."""
+    blocks = {}
+    for path, module in layer.named_modules():
+        key = f"{path}.weight"
+        if type(module) is not nn.Linear or key not in names:
+            continue
+        found = next((n for n in names[key] if checkpoint.has(n)), None)
+        q4 = None if found is None else checkpoint.read_int4(found)
+        if q4 is not None:
+            blocks[path] = q4
+    return blocks
 
 
 def load_shard(
@@ -111,6 +129,8 @@ def load_shard(
     warmed up (one prefill, one decode step: compilation happens there) before it returns.
     """
     quant = quantize.check_quant(quant or quantize.default_quant(device))
+    if quant == "q4":
+        quantize.check_q4(device)
     if span.end > source.spec.num_layers:
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
     config = source.arch.hf_config(source.spec, source.raw_config)

@@ -1,4 +1,5 @@
-"""A layer's matrix products for the fast path: dense weights or int8 weight-only rows.
+"""A layer's matrix products for the fast path: dense weights, int8 weight-only rows, or
+4-bit weights (`models/int4.py`'s `Int4Linear`, a product itself).
 
 A `Product` computes `x @ W.T (+ b)` for x [..., K]. Fusing (q/k/v, gate/up) concatenates
 the modules' weights row-wise once at load, and the modules' own parameters become views into
@@ -24,6 +25,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshnet.models.int4 import Int4Linear
 
 log = logging.getLogger(__name__)
 INT8_MAX = 127.0
@@ -96,9 +99,12 @@ def int8_kernel_runs(device: torch.device) -> bool:
 
 
 def kind(module: nn.Module) -> str | None:
-    """'dense' for `nn.Linear`, 'int8' for bitsandbytes' `Linear8bitLt`, else None."""
+    """'dense' for `nn.Linear`, 'int8' for bitsandbytes' `Linear8bitLt`, 'int4' for
+    `Int4Linear`, else None."""
     if type(module) is nn.Linear:
         return "dense"
+    if type(module) is Int4Linear:
+        return "int4"
     if type(module).__name__ == "Linear8bitLt" and getattr(module.weight, "SCB", None) is not None:
         return "int8"
     return None
@@ -113,6 +119,8 @@ def fuse(modules: list[Any]) -> Product | None:
     biases = [m.bias for m in modules]
     if any(b is not None for b in biases) and any(b is None for b in biases):
         return None
+    if kinds == {"int4"}:
+        return Int4Linear.stacked(modules) if Int4Linear.stackable(modules) else None
     bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
     rows = _fuse_rows(modules)
     if kinds == {"dense"}:

@@ -1,4 +1,5 @@
-"""Weight quantization: fp32, bf16, int8 (bitsandbytes `Linear8bitLt`), nf4 (`Linear4bit`).
+"""Weight quantization: fp32, bf16, int8 (bitsandbytes `Linear8bitLt`), nf4 (`Linear4bit`),
+q4 (`models/int4.py`: a GGUF file's 4-bit blocks kept as they are, CPU only).
 
 The fast path runs int8 weights with PyTorch's weight-only kernel (`models/products.py`).
 """
@@ -8,13 +9,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from meshnet.config import COMPUTE_DTYPE_ENV
-from meshnet.models import sizing
+from meshnet.errors import ConfigError
+from meshnet.models import int4, sizing
+from meshnet.models.int4 import Int4Blocks
 from meshnet.models.spec import ModelSpec
 from meshnet.types import ComputeDtype, Quant, device_kind, parse_compute, parse_quant
 
@@ -60,7 +64,7 @@ def default_quant(device: str = "cpu") -> Quant:
 
 def compute_dtype(quant: str, device: str = "cpu") -> torch.dtype:
     """The dtype a shard on `device` computes in: fp32 for fp32 weights, bf16 for bf16
-    weights, and for int8/nf4 the preferred compute dtype (`preferred_compute`)."""
+    weights, and for int8/nf4/q4 the preferred compute dtype (`preferred_compute`)."""
     if quant == "fp32":
         return torch.float32
     if quant == "bf16":
@@ -96,13 +100,27 @@ def check_quant(quant: str) -> Quant:
     return parse_quant(quant)
 
 
-def quantize_layer(layer: nn.Module, quant: str, device: str = "cpu") -> nn.Module:
-    """Cast `layer` to its compute dtype on `device` and, for int8/nf4, swap its linear
-    weights (bitsandbytes quantizes each on its first move, straight to `device`)."""
+def check_q4(device: str) -> None:
+    """q4 runs on CPU nodes whose PyTorch packs int4 weights; a clear error otherwise."""
+    from meshnet.models.int4 import int4_kernel_runs
+
+    if device_kind(device) != "cpu":
+        raise ConfigError(f"--quant q4 runs on CPU nodes only, not {device}; use int8 or nf4")
+    if not int4_kernel_runs():
+        raise ConfigError("this PyTorch has no int4 CPU kernel for --quant q4; use int8 or nf4")
+
+
+def quantize_layer(
+    layer: nn.Module, quant: str, device: str = "cpu", blocks: Mapping[str, Int4Blocks] = {}
+) -> nn.Module:
+    """Cast `layer` to its compute dtype on `device` and, for int8/nf4/q4, swap its linear
+    weights (bitsandbytes quantizes each on its first move, straight to `device`). For q4,
+    `blocks` holds the 4-bit codes the checkpoint already has, by module path ("mlp.up_proj");
+    any other linear is quantized from its float weights."""
     dtype = compute_dtype(quant, device)
     layer = layer.to(dtype)
-    if quant in ("int8", "nf4"):
-        _swap_linears(layer, quant, dtype, device)
+    if quant in ("int8", "nf4", "q4"):
+        _swap_linears(layer, quant, dtype, device, blocks)
     return move_rest(layer, device)
 
 
@@ -123,14 +141,27 @@ def move_rest(module: nn.Module, device: str) -> nn.Module:
     return module
 
 
-def _swap_linears(module: nn.Module, quant: str, dtype: torch.dtype, device: str) -> None:
+def _swap_linears(
+    module: nn.Module,
+    quant: str,
+    dtype: torch.dtype,
+    device: str,
+    blocks: Mapping[str, Int4Blocks],
+    prefix: str = "",
+) -> None:
     for name, child in module.named_children():
+        path = prefix + name
         weight = _linear_weight(child)
         if weight is None:
-            _swap_linears(child, quant, dtype, device)
+            _swap_linears(child, quant, dtype, device, blocks, path + ".")
             continue
         bias = getattr(child, "bias", None)
-        setattr(module, name, _quantized(weight, bias, quant, dtype, device))
+        if quant == "q4":
+            q4 = blocks.get(path) or int4.from_float(weight, path)
+            bias = None if bias is None else bias.detach().to(dtype)
+            setattr(module, name, int4.Int4Linear(q4, bias, path))
+        else:
+            setattr(module, name, _quantized(weight, bias, quant, dtype, device))
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor | None:

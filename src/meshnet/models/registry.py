@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-_MODULES = ("meshnet.models.llama", "meshnet.models.gpt2")
+_MODULES = ("meshnet.models.llama", "meshnet.models.gpt2", "meshnet.models.gemma3")
 _REGISTRY: dict[str, Architecture] = {}
 
 
@@ -46,8 +46,10 @@ class Architecture(Protocol):
         """Head part -> checkpoint names tried, in order (embed, norm, lm_head, ...)."""
         ...
 
-    def gguf_name(self, hf_name: str) -> tuple[str, str | None]:
-        """GGUF tensor name for an HF name, and the permutation it needs (`q`, `k` or None)."""
+    def gguf_name(self, hf_name: str, spec: ModelSpec) -> tuple[str, str | None]:
+        """GGUF tensor name for an HF name, and what llama.cpp's converter did to it that
+        reading must undo: `q`/`k` (rotary halves interleaved), `plus_one` (a norm weight
+        stored as 1 + w) or None."""
         ...
 
     def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> Any:

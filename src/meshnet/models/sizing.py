@@ -10,8 +10,15 @@ from meshnet.models.spec import ModelSpec
 from meshnet.types import ComputeDtype, Quant
 
 # bytes per weight of a linear layer, and per other parameter (norms, biases), by quantization
-_LINEAR_BYTES: dict[Quant, float] = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5}
+_LINEAR_BYTES: dict[Quant, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "int8": 1.0,
+    "nf4": 0.5,
+    "q4": 0.5,
+}
 NF4_BLOCK = 64  # weights per absmax scale
+Q4_GROUP_BYTES = 2 * 2 / 32  # q4: a bf16 scale and a bf16 offset per 32 weights (`models/int4`)
 # int8: bitsandbytes' float32 row scale (`SCB`) plus the fast path's bf16 copy (ADR-0022)
 INT8_ROW_BYTES = 4 + 2
 
@@ -22,9 +29,10 @@ def layer_bytes(
     """Bytes of one decoder layer's weights at `quant`, computing in `compute`.
 
     Non-linear parameters (norms, biases) are kept in the compute dtype: fp32 for fp32
-    weights, bf16 for bf16 weights, `compute` for int8/nf4 (None: bf16, the smaller). nf4
+    weights, bf16 for bf16 weights, `compute` for int8/nf4/q4 (None: bf16, the smaller). nf4
     keeps one absmax per 64 weights: float32, or bf16 once bitsandbytes has repacked the
-    weights for its AVX512-BF16 kernel (`packed_nf4`; `quantize.local_layer_bytes` knows).
+    weights for its AVX512-BF16 kernel (`packed_nf4`; `quantize.local_layer_bytes` knows);
+    q4 a bf16 scale and offset per 32.
     The tracker calls this with the defaults; a node sizes its own span exactly.
     """
     if quant not in _LINEAR_BYTES:
@@ -36,6 +44,8 @@ def layer_bytes(
         total += out_rows * INT8_ROW_BYTES
     elif quant == "nf4":
         total += linear / NF4_BLOCK * (2 if packed_nf4 else 4)
+    elif quant == "q4":
+        total += linear * Q4_GROUP_BYTES
     return int(total)
 
 

@@ -105,11 +105,19 @@ def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
 
 
 def _gguf_source(model_id: str, path: Path) -> ModelSource:
-    from meshnet.models.gguf_file import gguf_fields, read_gguf
+    from meshnet.models.gguf_file import check_readable, gguf_fields, read_gguf
 
     fields = gguf_fields(path)
     names = {t.name for t in read_gguf(path).tensors}
-    spec = registry.get(str(fields["general.architecture"])).spec_from_gguf(fields, names)
+    arch = str(fields.get("general.architecture"))
+    try:
+        family = registry.get(arch)
+    except ModelError as exc:
+        raise ModelError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported: {exc}"
+        ) from None
+    spec = family.spec_from_gguf(fields, names)
+    check_readable(path)
     if spec.vocab_size == 0:  # older files omit it; the vocabulary itself says
         spec = replace(spec, vocab_size=len(fields["tokenizer.ggml.tokens"]))
     return ModelSource(model_id, "gguf", path, spec)

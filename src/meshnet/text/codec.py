@@ -31,7 +31,9 @@ class HfCodec:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """A completion prompt's ids, with the beginning-of-text token where the model's
+        tokenizer adds one (Gemma's `<bos>`; SmolLM2 adds none)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def chat(self, messages: Sequence[Message]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
