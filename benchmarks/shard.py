@@ -9,9 +9,10 @@ handling) over the very same layer modules; the shard side is `Shard.forward`. D
 token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians of
 alternated calls (shard, monolithic, shard, ...), so machine noise hits both sides alike.
 
-Memory: each quantization's span is loaded again in a fresh process; "RSS per layer" is that
-process's resident memory after loading minus before (imports done), over the layers: what a
-layer really costs a node (allocator slack and load-time copies included). "Weights per
+Memory: each quantization's span is loaded again in a fresh process, after one layer of it
+(which pays the imports, kernels and warm-up buffers); "RSS per layer" is what the span added
+to that process's resident memory, over its layers: what a layer really costs a node
+(allocator slack and load-time copies included). "Weights per
 layer" is what the shard holds (`Shard.weight_bytes`), "sizing" what the planner predicts.
 """
 
@@ -116,12 +117,15 @@ def rss_bytes() -> int:
 
 
 def memory_child(model: str, span: str, quant: str) -> None:
-    """Run in a fresh process: load the span, print its memory figures as JSON."""
+    """Run in a fresh process: load one layer first (imports, kernels and warm-up buffers
+    paid), then the span; print what the span added, and what it holds, as JSON."""
     source = resolve(model)
+    layers = LayerSpan.parse(span)
+    warm = load_shard(source, LayerSpan(layers.start, layers.start + 1), parse_quant(quant))
     before = rss_bytes()
-    shard = load_shard(source, LayerSpan.parse(span), parse_quant(quant))
+    shard = load_shard(source, layers, parse_quant(quant))
     grown = rss_bytes() - before
-    print(json.dumps({"rss": grown, "weights": shard.weight_bytes()}))
+    print(json.dumps({"rss": grown, "weights": shard.weight_bytes(), "warm": len(warm.span)}))
 
 
 def memory_row(model: str, span: LayerSpan, quant: str) -> str:
