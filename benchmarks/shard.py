@@ -4,10 +4,11 @@ and the memory a layer costs at each quantization.
     python benchmarks/shard.py           # the default model, layers 10:20, all quantizations
     python benchmarks/shard.py --tiny    # a tiny random model, seconds (what the tests run)
 
-The monolithic side is transformers' own `LlamaModel` forward (its masks, rotary and cache
-handling) over the very same layer modules; the shard side is `Shard.forward`. Decode: ms per
-token with a 128-token cache; prefill: tokens/s for one 128-token chunk. Medians of
-alternated calls (shard, monolithic, shard, ...), so machine noise hits both sides alike.
+The monolithic side is transformers' own `LlamaModel` forward (its layer classes, masks,
+rotary and cache handling) over the very same weights and linear modules; the shard side is
+`Shard.forward`. Decode: ms per token with a 128-token cache; prefill: tokens/s for one
+128-token chunk. Medians of alternated calls (shard, monolithic, shard, ...), so machine
+noise hits both sides alike.
 
 Memory: each quantization's span is loaded again in a fresh process, after one layer of it
 (which pays the imports, kernels and warm-up buffers); "RSS per layer" is what the span added
@@ -53,19 +54,33 @@ def paired_medians(
 
 
 def monolithic(shard: Shard) -> torch.nn.Module:
-    """transformers' decoder model whose layers are the shard's own modules."""
-    from transformers import AutoModel
+    """transformers' decoder model over the shard's weights: its own layer classes holding
+    the shard's linear modules (quantized ones included) and norm weights."""
+    from transformers import AutoConfig, AutoModel
 
-    config = shard.config.__class__(
-        **{**shard.config.to_dict(), "num_hidden_layers": len(shard.layers)}
-    )
+    fields = {k: v for k, v in shard.config.to_dict().items() if k != "architectures"}
+    fields["num_hidden_layers"] = len(shard.layers)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModel.from_config(config)
-    model.layers = shard.layers
-    model.rotary_emb = shard.extras
+    for theirs, ours in zip(model.layers, shard.layers, strict=True):
+        transplant(theirs, ours)
+    model.rotary_emb = type(model.rotary_emb)(config=config)
     model.norm = torch.nn.Identity()
     model.embed_tokens = None
     return model.eval()
+
+
+def transplant(theirs: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Give transformers' layer `theirs` the weights of our layer `ours` (same names)."""
+    for name, module in ours.named_modules():
+        if not name or list(module.children()):
+            continue
+        if hasattr(module, "variance_epsilon"):  # a norm: transformers' own module, our weight
+            theirs.get_submodule(name).weight = module.weight
+        else:
+            theirs.set_submodule(name, module)
 
 
 def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float, float]:
@@ -86,9 +101,9 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
 
     cache = new_cache()
     shard.forward(prompt, cache, 0)
-    mono_cache = new_cache()  # its DynamicCache is what transformers' model gets
+    mono_cache = DynamicCache()
     with torch.inference_mode():
-        model(inputs_embeds=prompt, cache=mono_cache.as_dynamic(), use_cache=True)
+        model(inputs_embeds=prompt, cache=mono_cache, use_cache=True)
 
     def shard_step() -> object:  # crop back so every step sees the same cache length
         out = shard.forward(step, cache, tokens)
@@ -97,8 +112,8 @@ def measure(shard: Shard, tokens: int, repeat: int) -> tuple[float, float, float
 
     def mono_step() -> object:
         with torch.inference_mode():
-            out = model(inputs_embeds=step, cache=mono_cache.as_dynamic(), use_cache=True)
-        truncate(mono_cache, tokens)
+            out = model(inputs_embeds=step, cache=mono_cache, use_cache=True)
+        mono_cache.crop(-1)  # back to `tokens`
         return out
 
     for fn in (shard_step, mono_step):

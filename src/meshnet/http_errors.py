@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 
-from fastapi.exceptions import RequestValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -38,7 +37,9 @@ async def _mesh_error(request: Request, exc: Exception) -> Response:
 
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
+    from fastapi.exceptions import RequestValidationError
+
+    assert isinstance(exc, RequestValidationError)  # registered for it only
     details = [
         {
             "loc": [str(p) for p in e.get("loc", ())],
@@ -94,9 +95,15 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: Starlette) -> None:
-    """Map `MeshError`, validation failures and HTTP errors to JSON 4xx/5xx answers."""
+    """Map `MeshError`, validation failures and HTTP errors to JSON 4xx/5xx answers.
+
+    Only FastAPI apps validate requests, and only they import FastAPI: a plain node's app
+    is Starlette's, and a process that imports no FastAPI holds ~10 MiB less (ADR-0041)."""
     app.add_exception_handler(MeshError, _mesh_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    if type(app).__module__.startswith("fastapi"):
+        from fastapi.exceptions import RequestValidationError
+
+        app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)  # Starlette's server-error middleware
 

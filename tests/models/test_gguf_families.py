@@ -1,6 +1,7 @@
-"""GGUF files of the Llama family beyond `llama`: a tiny Qwen3 written as llama.cpp names and
-lays out its tensors (no rotary interleaving for qwen; q/k norms; F32 or Q8_0), read back
-through our reader; and the refusals a bad file gets at start-up."""
+"""GGUF files of the Llama family beyond `llama`: a tiny Qwen3 and a tiny Qwen2 written as
+llama.cpp names and lays out their tensors (no rotary interleaving for qwen; q/k norms, q/k/v
+biases; F32 or Q8_0), read back through our reader; and the refusals a bad file gets at
+start-up."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def write_gguf(folder: Path, out: Path, arch: str, quantized: bool) -> Path:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -79,14 +81,18 @@ def write_gguf(folder: Path, out: Path, arch: str, quantized: bool) -> Path:
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
-def test_a_qwen3_gguf_reads_like_its_checkpoint(
-    tiny_folder: Callable[[str], Path], tmp_path: Path, quantized: bool
+@pytest.mark.parametrize(("tiny", "arch"), [("qwen3-plain", "qwen3"), ("qwen2", "qwen2")])
+def test_a_qwen_gguf_reads_like_its_checkpoint(
+    tiny_folder: Callable[[str], Path], tmp_path: Path, quantized: bool, tiny: str, arch: str
 ) -> None:
-    folder = tiny_folder("qwen3-plain")
-    source = resolve(str(write_gguf(folder, tmp_path / "qwen3.gguf", "qwen3", quantized)))
+    """Qwen3: q/k norms, heads wider than hidden / heads; Qwen2: q/k/v biases, tied head."""
+    folder = tiny_folder(tiny)
+    source = resolve(str(write_gguf(folder, tmp_path / f"{arch}.gguf", arch, quantized)))
     checkpoint = resolve(str(folder))
-    assert source.spec == checkpoint.spec and source.spec.head_dim == 32
-    assert source.spec.extra["qk_norm"]
+    assert source.spec == checkpoint.spec
+    assert source.spec.head_dim == (32 if arch == "qwen3" else 16)
+    assert source.spec.extra["qk_norm"] == (arch == "qwen3")
+    assert source.spec.extra["attention_bias"] == (arch == "qwen2")
     span = LayerSpan(0, source.spec.num_layers)
     ours, theirs = load_shard(source, span, "fp32"), load_shard(checkpoint, span, "fp32")
     torch.manual_seed(0)

@@ -16,9 +16,8 @@ from dataclasses import replace
 
 import httpx
 from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
-from meshnet.api.app import access_rules as api_rules
-from meshnet.api.app import create_app as create_api_app
 from meshnet.assemble.server import run_server
 from meshnet.config import (
     AccessConfig,
@@ -40,6 +39,7 @@ from meshnet.node.app import NodeService, create_app
 from meshnet.node.compute import host_turns, pin_loop_thread
 from meshnet.node.startup import registration, tracker_client
 from meshnet.observe.metrics import Metrics
+from meshnet.security.access import Rule
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey
 from meshnet.security.tls import client_context, scheme
@@ -160,11 +160,7 @@ def build_app(
     role = EntryRole(config, entry, service, routes, transport)
     if pinned is not None:
         load_pinned(role, config, pinned)
-    api = (
-        create_api_app(role.generators, entry.default_max_tokens, limits=limits, guarded=False)
-        if config.entry
-        else None
-    )
+    api, rules = entry_api(role, entry, limits) if config.entry else (None, ())
     lifespan = None
     if config.tracker_url is not None:
         url = config.tracker_url
@@ -176,10 +172,19 @@ def build_app(
         lifespan=lifespan,
         access=access,
         api=api,
-        api_rules=api_rules(limits) if api is not None else (),
+        api_rules=rules,
     )
     app.state.role = role
     return app
+
+
+def entry_api(role: EntryRole, entry: EntryConfig, limits: ApiLimits) -> tuple[ASGIApp, list[Rule]]:
+    """The OpenAI-compatible API app of a node that may be an entry, and its access rules
+    (imported here: a `--no-entry` node never loads FastAPI)."""
+    from meshnet.api.app import access_rules, create_app
+
+    api = create_app(role.generators, entry.default_max_tokens, limits=limits, guarded=False)
+    return api, access_rules(limits)
 
 
 def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:

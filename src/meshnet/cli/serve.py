@@ -216,7 +216,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "--no-fast-path",
         dest="fast_path",
         action="store_false",
-        help="run transformers' own layers instead of the fast decode path (for debugging)",
+        help="run the layers module by module instead of the fast decode path (for debugging)",
     )
     parser.add_argument(
         "--no-host-turns",

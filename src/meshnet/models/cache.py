@@ -1,8 +1,10 @@
 """A shard's per-session KV cache: create, measure, and roll back to a length.
 
 `SpanCache` is what a session holds. Its storage is chosen by the shard at the first forward
-pass: transformers' `DynamicCache` for the eager layers, or `StaticKV` (pre-allocated key and
-value tensors, no allocation per token) for the fast decode path (ADR-0021).
+pass: `EagerKV` (per-layer tensors that grow by concatenation, what transformers' layers and
+ours call `update` on) for the eager layers, or `StaticKV` (pre-allocated key and value
+tensors, no allocation per token) for the fast decode path (ADR-0021). Neither needs
+transformers (ADR-0041).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+
+from meshnet.errors import ModelError
 
 MIN_CAPACITY = 64  # tokens a static cache first holds; it doubles when full
+REWIND_TOKENS = 256  # tokens a sliding layer keeps beyond its window, for rollbacks
 
 
 class StaticKV:
@@ -60,17 +64,81 @@ class StaticKV:
         return 2 * per_layer
 
 
+class EagerKV:
+    """Each layer's keys and values [B, kv_heads, tokens, D], grown by `update`: the calls
+    transformers' decoder layers make on their `DynamicCache`, and ours.
+
+    A sliding-window layer (`slide`) keeps only its last `window + REWIND_TOKENS` tokens:
+    what its queries can still see, plus room for a rollback (a failed chunk of at most 128
+    tokens, rejected drafts of at most 63). `start(layer)` is the absolute position of the
+    first token it keeps; the caller's masks drop the columns before it.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.windows: list[int | None] = []
+        self.starts: list[int] = []
+
+    def slide(self, windows: list[int | None]) -> None:
+        """Each layer's sliding window (None: full attention), set before the first update."""
+        if not self.keys:
+            self.windows = list(windows)
+
+    def start(self, layer: int) -> int:
+        return self.starts[layer] if layer < len(self.starts) else 0
+
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, layer: int, *_: Any, **__: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `keys`/`values` [B, kv, T, D] to `layer`'s; returns all that layer keeps
+        (from `start(layer)` as it was before this call) with the new ones."""
+        if layer == len(self.keys):
+            self.keys.append(keys)
+            self.values.append(values)
+            self.starts.append(0)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], keys], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], values], dim=2)
+        seen = self.keys[layer], self.values[layer]
+        window = self.windows[layer] if layer < len(self.windows) else None
+        if window is not None and seen[0].shape[2] > window + REWIND_TOKENS:
+            drop = seen[0].shape[2] - window - REWIND_TOKENS
+            self.keys[layer] = seen[0][:, :, drop:].clone()  # a copy frees the old storage
+            self.values[layer] = seen[1][:, :, drop:].clone()
+            self.starts[layer] += drop
+        return seen
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Tokens seen (absolute), whatever a sliding layer dropped."""
+        return self.start(layer) + int(self.keys[layer].shape[2]) if layer < len(self.keys) else 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens of every layer; ModelError when a sliding layer
+        already dropped some of them (a rollback deeper than `REWIND_TOKENS`)."""
+        if any(length < start for start in self.starts):
+            raise ModelError(
+                f"cannot roll this session back to {length} tokens: a sliding-window layer "
+                f"keeps tokens from {max(self.starts)} on"
+            )
+        self.keys = [k[:, :, : length - s] for k, s in zip(self.keys, self.starts, strict=True)]
+        self.values = [v[:, :, : length - s] for v, s in zip(self.values, self.starts, strict=True)]
+
+
 class SpanCache:
     """One session's cache on one shard (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.dynamic: Any = None  # transformers.DynamicCache, for the eager layers
+        self.eager: EagerKV | None = None  # for the eager layers
         self.static: StaticKV | None = None  # for the fast decode path
 
-    def as_dynamic(self) -> Any:
-        if self.dynamic is None:
-            self.dynamic = DynamicCache()
-        return self.dynamic
+    def as_eager(self) -> EagerKV:
+        if self.eager is None:
+            self.eager = EagerKV()
+        return self.eager
 
 
 def new_cache() -> SpanCache:
@@ -82,7 +150,7 @@ def cache_length(cache: SpanCache) -> int:
     """Tokens held (layer 0 is the shard's first layer)."""
     if cache.static is not None:
         return cache.static.length
-    return int(cache.dynamic.get_seq_length(0)) if cache.dynamic is not None else 0
+    return cache.eager.get_seq_length(0) if cache.eager is not None else 0
 
 
 def cache_bytes(cache: SpanCache) -> int:
@@ -90,12 +158,7 @@ def cache_bytes(cache: SpanCache) -> int:
     allocation is at most twice that, plus `MIN_CAPACITY` tokens)."""
     if cache.static is not None:
         return cache.static.length * cache.static.token_bytes()
-    total = 0
-    for layer in cache.dynamic.layers if cache.dynamic is not None else []:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if tensor is not None and getattr(layer, "is_initialized", True):
-                total += tensor.numel() * tensor.element_size()
-    return total
+    return cache.eager.nbytes() if cache.eager is not None else 0
 
 
 def truncate(cache: SpanCache, length: int) -> None:
@@ -103,8 +166,5 @@ def truncate(cache: SpanCache, length: int) -> None:
     if cache.static is not None:
         cache.static.length = min(cache.static.length, length)
         return
-    for layer in cache.dynamic.layers if cache.dynamic is not None else []:
-        if getattr(layer, "is_initialized", False):
-            current = layer.get_seq_length()
-            if current > length:
-                layer.crop(length - current)
+    if cache.eager is not None and cache.eager.get_seq_length() > length:
+        cache.eager.crop(length)

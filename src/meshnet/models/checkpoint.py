@@ -34,6 +34,10 @@ class Checkpoint(Protocol):
         """The tensor's 4-bit codes as stored, when it is stored as such (`--quant q4`)."""
         ...
 
+    def release(self) -> None:
+        """Done reading for now: give back the memory reading held (mapped file pages)."""
+        ...
+
 
 class SafetensorsCheckpoint:
     """A folder with `model.safetensors` or `model.safetensors.index.json` and its shards."""
@@ -64,6 +68,9 @@ class SafetensorsCheckpoint:
     def read_int4(self, name: str) -> Int4Blocks | None:
         return None  # safetensors hold floats (or other schemes' packing): q4 re-quantizes
 
+    def release(self) -> None:
+        self._open.clear()  # closing a file unmaps it; the next read opens it again
+
 
 def safetensors_index(folder: Path) -> dict[str, str]:
     """Tensor name -> file, from the index or from the single file's header."""
@@ -87,7 +94,11 @@ class GgufCheckpoint:
         self.path = path
         self.arch = arch
         self.spec = spec
-        self.tensors = {t.name: t for t in read_gguf(path).tensors}
+        self.file = read_gguf(path)
+        self.tensors = {t.name: t for t in self.file.tensors}
+
+    def release(self) -> None:
+        self.file.release_pages()  # ~2.3 MiB a layer of the default model otherwise stays
 
     def has(self, name: str) -> bool:
         return self.arch.gguf_name(name, self.spec)[0] in self.tensors

@@ -138,18 +138,20 @@ class Gemma3:
         return Gemma3RotaryEmbedding(config=config)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
-        from meshnet.models.llama import layer_window
+        from meshnet.models.llama import kept_columns, layer_window
         from meshnet.models.shard import causal_mask, positions_for
 
         positions = positions_for(hidden, position)
         kinds = {layer.self_attn.layer_type for layer in layers}
         rope = {kind: extras(hidden, positions, kind) for kind in kinds}  # (cos, sin) each
-        masks = {w: causal_mask(hidden, position, w) for w in {layer_window(x) for x in layers}}
-        for layer in layers:
+        windows = [layer_window(x) for x in layers]
+        cache.slide(windows)  # local layers keep only their window (and room for rollbacks)
+        masks = {w: causal_mask(hidden, position, w) for w in set(windows)}
+        for i, layer in enumerate(layers):
             hidden = layer(
                 hidden,
                 position_embeddings=rope[layer.self_attn.layer_type],
-                attention_mask=masks[layer_window(layer)],
+                attention_mask=kept_columns(masks[windows[i]], cache, i),
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,

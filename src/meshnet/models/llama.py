@@ -5,8 +5,9 @@ Sliding-window attention: Mistral's layers all attend over the last `sliding_win
 when its config sets one; Qwen2/Qwen3 mark such layers in `layer_types`. `layer_window`
 reads a built layer's window, and every path masks by it.
 
-torch and transformers are imported inside the functions that build modules, so sizing from a
-config stays torch-free.
+The layers are our own modules (`llama_layers.py`, op for op transformers'), so a node that
+only runs layers never imports transformers (ADR-0041). torch is imported inside the
+functions that build modules, so sizing from a config stays torch-free.
 """
 
 from __future__ import annotations
@@ -16,21 +17,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshnet.errors import ModelError
-from meshnet.models import registry
+from meshnet.models import llama_config, registry
+from meshnet.models.llama_config import FamilyConfig
 from meshnet.models.spec import ModelSpec
 
-# model_type -> (transformers module, config class, decoder layer class, rotary class, norm class)
+# model_type -> (transformers module, config class, rotary class): only for rotary types
+# `llama_layers` does not compute (yarn, dynamic...)
 _CLASSES = {
-    "llama": ("llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaRotaryEmbedding", "LlamaRMSNorm"),
-    "mistral": (
-        "mistral",
-        "MistralConfig",
-        "MistralDecoderLayer",
-        "MistralRotaryEmbedding",
-        "MistralRMSNorm",
-    ),
-    "qwen2": ("qwen2", "Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding", "Qwen2RMSNorm"),
-    "qwen3": ("qwen3", "Qwen3Config", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding", "Qwen3RMSNorm"),
+    "llama": ("llama", "LlamaConfig", "LlamaRotaryEmbedding"),
+    "mistral": ("mistral", "MistralConfig", "MistralRotaryEmbedding"),
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2RotaryEmbedding"),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3RotaryEmbedding"),
 }
 
 # GGUF (llama.cpp) tensor names for one layer, by the HF name's suffix.
@@ -56,26 +53,25 @@ _GGUF_HEAD = {
 
 
 def layer_window(layer: Any) -> int | None:
-    """The sliding window a built decoder layer attends over, None for full attention.
-
-    Qwen2/Qwen3 attention keeps its own (None unless `layer_types` marks it sliding); Mistral
-    reads its config's `sliding_window` for every layer; Llama has none.
-    """
-    attn = layer.self_attn
-    if hasattr(attn, "sliding_window"):
-        window = attn.sliding_window
-    else:
-        window = getattr(attn.config, "sliding_window", None)
+    """The sliding window a built decoder layer attends over, None for full attention."""
+    window = layer.self_attn.sliding_window
     return int(window) if window else None
 
 
-def _classes(model_type: str) -> tuple[Any, ...]:
-    module_name, *names = _CLASSES[model_type]
-    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    config_module = importlib.import_module(
-        f"transformers.models.{module_name}.configuration_{module_name}"
-    )
-    return (getattr(config_module, names[0]), *(getattr(module, n) for n in names[1:]))
+def kept_columns(mask: Any, cache: Any, layer: int) -> Any:
+    """`mask` [1, 1, T, end] over the keys layer `layer` of the eager `cache` still keeps."""
+    return mask if mask is None else mask[..., cache.start(layer) :]
+
+
+def _transformers_rotary(config: FamilyConfig) -> Any:
+    """transformers' rotary module for `config` (a rotary type `llama_layers` lacks)."""
+    module_name, config_name, rotary_name = _CLASSES[config.model_type]
+    package = f"transformers.models.{module_name}"
+    configs = importlib.import_module(f"{package}.configuration_{module_name}")
+    modeling = importlib.import_module(f"{package}.modeling_{module_name}")
+    config_cls, rotary_cls = getattr(configs, config_name), getattr(modeling, rotary_name)
+    raw = {k: v for k, v in config.source.items() if k not in ("architectures", "model_type")}
+    return rotary_cls(config=config_cls(**{**raw, "rope_parameters": dict(config.rope)}))
 
 
 class LlamaFamily:
@@ -85,7 +81,7 @@ class LlamaFamily:
         model_type = str(config["model_type"])
         extra: dict[str, object] = {
             "attention_bias": bool(config.get("attention_bias", False)) or model_type == "qwen2",
-            "head_dim": int(config.get("head_dim") or 0) or None,
+            "head_dim": llama_config.from_mapping(config).head_dim,
             "qk_norm": model_type == "qwen3",
         }
         defaults = {"tie": False, "positions": 2048}
@@ -156,41 +152,31 @@ class LlamaFamily:
             permute = None
         return f"blk.{index}.{_GGUF_LAYER[module]}.{param}", permute
 
-    def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> Any:
-        config_cls = _classes(spec.model_type)[0]
-        if raw:
-            config = config_cls(**{k: v for k, v in raw.items() if k != "architectures"})
-        else:  # from GGUF
-            config = config_cls(
-                **spec.config_kwargs(),
-                rope_parameters={"rope_type": "default", "rope_theta": spec.extra["rope_theta"]},
-                attention_bias=bool(spec.extra.get("attention_bias")),
-            )
-        config._attn_implementation = "sdpa"
-        return config
+    def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> FamilyConfig:
+        """The layer config, without transformers (ADR-0041)."""
+        return llama_config.from_mapping(raw) if raw else llama_config.from_spec(spec)
 
-    def build_layer(self, config: Any, index: int) -> Any:
-        layer = _classes(config.model_type)[1](config, layer_idx=index)
-        return layer
+    def build_layer(self, config: FamilyConfig, index: int) -> Any:
+        from meshnet.models.llama_layers import DecoderLayer
 
-    def layer_extras(self, config: Any) -> Any:
-        return _classes(config.model_type)[2](config=config)
+        return DecoderLayer(config, index)
+
+    def layer_extras(self, config: FamilyConfig) -> Any:
+        from meshnet.models.llama_layers import NATIVE_ROPE, Rotary
+
+        if config.rope["rope_type"] in NATIVE_ROPE:
+            return Rotary(config)
+        return _transformers_rotary(config)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
         from meshnet.models.shard import causal_mask, positions_for
 
-        positions = positions_for(hidden, position)
-        embeddings = extras(hidden, position_ids=positions)  # (cos, sin), each [B, T, head_dim]
-        masks = {w: causal_mask(hidden, position, w) for w in {layer_window(x) for x in layers}}
-        for layer in layers:
-            hidden = layer(
-                hidden,
-                attention_mask=masks[layer_window(layer)],
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                position_embeddings=embeddings,
-            )
+        embeddings = extras(hidden, position_ids=positions_for(hidden, position))  # [B, T, D] x2
+        windows = [layer_window(x) for x in layers]
+        cache.slide(windows)  # a sliding layer's cache keeps only what it can still see
+        masks = {w: causal_mask(hidden, position, w) for w in set(windows)}
+        for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
+            hidden = layer(hidden, embeddings, kept_columns(masks[window], cache, i), cache)
         return hidden
 
     def fast_path(self, layers: Any, config: Any, extras: Any, compile: bool) -> Any | None:
@@ -201,9 +187,10 @@ class LlamaFamily:
     def build_head(self, config: Any) -> Any:
         from torch import nn
 
+        from meshnet.models.llama_layers import RMSNorm
         from meshnet.models.shard import Head
 
-        norm = _classes(config.model_type)[3](config.hidden_size, eps=config.rms_norm_eps)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         return Head(
             nn.Embedding(config.vocab_size, config.hidden_size),
             None,

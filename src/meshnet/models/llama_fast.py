@@ -1,12 +1,13 @@
 """The Llama family's fast path: a span's layers as plain tensor code over a static KV cache.
 
-transformers' layers spend part of a decode step outside the matrix products: the cache
-concatenates keys and values every token, masks and positions are rebuilt, many small
-modules are called. Here each layer runs one fused q/k/v product and one fused gate/up
-product (`models/products.py`: dense, or int8 weight-only). Rotary is read from a table and
-applied to queries and keys together; norms run transformers' RMSNorm formula op for op,
-without a module call. Keys and values are written in place into `StaticKV`. int8 spans can
-also compile their decode step (`models/llama_graph.py`, ADR-0023).
+Eager layers (transformers', or our `llama_layers` that copy them op for op) spend part of a
+decode step outside the matrix products: the cache concatenates keys and values every token,
+masks and positions are rebuilt, many small modules are called. Here each layer runs one
+fused q/k/v product and one fused gate/up product (`models/products.py`: dense, or int8
+weight-only). Rotary is read from a table and applied to queries and keys together; norms
+run transformers' RMSNorm formula op for op, without a module call. Keys and values are
+written in place into `StaticKV`. int8 spans can also compile their decode step
+(`models/llama_graph.py`, ADR-0023).
 
 Dense weights (fp32, bf16) attend with PyTorch's SDPA, as transformers does, and stay
 bit-for-bit equal to transformers' layers. INT8 weights have no bit-exact reference (their
@@ -31,7 +32,7 @@ from meshnet.models.shard import causal_mask, causal_mask_for
 
 MIN_ROPE_POSITIONS = 256  # positions the rotary table first holds; it doubles when needed
 # one formula (`RMSNorm`)
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+RMS_NORMS = ("RMSNorm",)  # `llama_layers.RMSNorm`
 
 
 class RMSNorm:

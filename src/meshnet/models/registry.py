@@ -53,7 +53,9 @@ class Architecture(Protocol):
         ...
 
     def hf_config(self, spec: ModelSpec, raw: Mapping[str, Any]) -> Any:
-        """A transformers `PretrainedConfig` for building modules."""
+        """The config its modules are built from: transformers' `PretrainedConfig`, or the
+        architecture's own record (the Llama family's `FamilyConfig`); it has `to_dict()`,
+        `hidden_size` and `max_position_embeddings`."""
         ...
 
     def build_layer(self, config: Any, index: int) -> nn.Module:
@@ -78,7 +80,7 @@ class Architecture(Protocol):
         """A faster runner of `layers` with `forward(hidden, cache, position)`, or None.
 
         It must compute what `run_layers` computes (same dtype, same results within
-        rounding) over a `SpanCache`; None keeps transformers' layers (ADR-0021). With
+        rounding) over a `SpanCache`; None keeps the eager layers (ADR-0021). With
         `compile`, it may compile its decode step where that keeps its results (ADR-0023).
         """
         ...

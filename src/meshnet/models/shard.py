@@ -54,13 +54,13 @@ class Shard:
     """Layers `span` of one model, ready to run with a per-session cache."""
 
     arch: Architecture
-    config: Any  # transformers PretrainedConfig
+    config: Any  # the architecture's config (`Architecture.hf_config`)
     span: LayerSpan
     layers: nn.ModuleList
     extras: Any  # what the architecture's layers need besides the cache (rotary embedding)
     compute_dtype: torch.dtype
     quant: str
-    fast: Any = None  # the architecture's fast path (ADR-0021), or None: transformers' layers
+    fast: Any = None  # the architecture's fast path (ADR-0021), or None: the eager layers
     device: str = "cpu"  # where its weights, caches and compute live: "cpu" or "cuda:N"
 
     @torch.inference_mode()
@@ -72,7 +72,7 @@ class Shard:
         if self.fast is not None:
             out = self.fast.forward(x, cache, position)
         else:
-            out = self.arch.run_layers(self.layers, x, cache.as_dynamic(), position, self.extras)
+            out = self.arch.run_layers(self.layers, x, cache.as_eager(), position, self.extras)
         return to_host(out.to(torch.bfloat16))
 
     @property
