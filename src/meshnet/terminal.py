@@ -9,14 +9,20 @@ not pass through the tracker; an entry that cannot be reached or refuses before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
+
+try:
+    import termios
+except ImportError:  # not a Unix terminal: keys are left alone
+    termios = None  # type: ignore[assignment]
 
 
 class ApiError(Exception):
@@ -27,9 +33,13 @@ class ApiError(Exception):
 class GenerateOptions:
     model: str | None = None  # None = the first model the entry serves
     max_tokens: int = 256
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
+    # llama.cpp's and Ollama's defaults, which their users know (the HTTP API keeps OpenAI's)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    repetition_penalty: float = 1.1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     raw: bool = False  # a plain completion of the prompt, without the chat template
@@ -68,7 +78,9 @@ def entry_urls(client: httpx.Client, model: str) -> list[str]:
         return []
 
 
-def stream(client: httpx.Client, options: GenerateOptions, body: dict[str, Any]) -> Iterator[str]:
+def stream(
+    client: httpx.Client, options: GenerateOptions, body: dict[str, Any]
+) -> Generator[str, None, None]:
     """Text pieces as they arrive from `/v1/chat/completions` or, with `prompt`, completions:
     from the model's least loaded entry that answers, else from `client` itself."""
     model = options.model or first_model(client)
@@ -94,6 +106,9 @@ def _stream(
         "temperature": options.temperature,
         "top_p": options.top_p,
         "top_k": options.top_k,
+        "repetition_penalty": options.repetition_penalty,
+        "frequency_penalty": options.frequency_penalty,
+        "presence_penalty": options.presence_penalty,
         "seed": options.seed,
         "stop": list(options.stop) or None,
         "stream": True,
@@ -150,11 +165,19 @@ def run_generate(url: str, prompt: str, options: GenerateOptions, out: TextIO = 
 
 
 def run_chat(
-    url: str, options: GenerateOptions, ask: Callable[[str], str] = input, out: TextIO = sys.stdout
+    url: str,
+    options: GenerateOptions,
+    ask: Callable[[str], str] = input,
+    out: TextIO = sys.stdout,
+    keys: TextIO = sys.stdin,
 ) -> int:
-    """Read a line, stream the answer, repeat; the whole conversation goes with each turn."""
+    """Read a line, stream the answer, repeat; the whole conversation goes with each turn.
+
+    While an answer streams, what is typed on `keys` (a terminal) is neither echoed into it
+    nor kept for the next question, and Ctrl-C stops that answer (its text so far stays in
+    the conversation), not the chat."""
     messages: list[dict[str, str]] = []
-    print("meshnet chat: an empty line or Ctrl-D ends it", file=out)
+    print("meshnet chat: an empty line or Ctrl-D ends it; Ctrl-C stops an answer", file=out)
     with api_client(url, options) as client:
         while True:
             try:
@@ -164,14 +187,41 @@ def run_chat(
             if not line:
                 return 0
             messages.append({"role": "user", "content": line})
+            pieces: list[str] = []
+            answer = stream(client, options, {"messages": messages})
             try:
-                answer = "".join(_echo(stream(client, options, {"messages": messages}), out))
+                with muted(keys):
+                    for piece in _echo(answer, out):
+                        pieces.append(piece)
+            except KeyboardInterrupt:
+                print(" [stopped]", end="", file=out)
             except (ApiError, httpx.HTTPError) as exc:
                 print(f"error: {exc}", file=out)
                 messages.pop()
                 continue
-            messages.append({"role": "assistant", "content": answer})
+            finally:
+                answer.close()  # ends the HTTP stream: the entry closes the session
+            messages.append({"role": "assistant", "content": "".join(pieces)})
             print(file=out)
+
+
+@contextlib.contextmanager
+def muted(keys: TextIO) -> Iterator[None]:
+    """On a terminal: no echo of typed keys while inside, and what was typed is dropped on
+    the way out (it was typed at an answer, not as the next question)."""
+    if termios is None or not keys.isatty():
+        yield
+        return
+    fd = keys.fileno()
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcflush(fd, termios.TCIFLUSH)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _echo(pieces: Iterator[str], out: TextIO) -> Iterator[str]:

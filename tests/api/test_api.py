@@ -7,7 +7,9 @@ server-sent event format and error bodies byte for byte where the client would h
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -135,7 +137,9 @@ def test_chat_answer_carries_the_route(app: FastAPI) -> None:
         ("/v1/chat/completions", CHAT | {"n": 2}, 400, "n"),
         ("/v1/chat/completions", CHAT | {"max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", CHAT | {"max_tokens": 10**6}, 400, "max_tokens"),
-        ("/v1/chat/completions", CHAT | {"presence_penalty": 1}, 400, "presence_penalty"),
+        ("/v1/chat/completions", CHAT | {"presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("/v1/chat/completions", CHAT | {"frequency_penalty": -3}, 400, "frequency_penalty"),
+        ("/v1/completions", COMPLETION | {"repetition_penalty": 0}, 400, "repetition_penalty"),
         ("/v1/chat/completions", CHAT | {"bogus": 1}, 400, "bogus"),
         ("/v1/chat/completions", CHAT | {"stop": ["a"] * 5}, 400, "stop"),
         ("/v1/completions", {"model": "fake", "prompt": ""}, 400, "prompt"),
@@ -203,3 +207,41 @@ def test_a_failing_hop_mid_stream_ends_the_stream_with_an_error_event() -> None:
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][len("data: ") :])["error"]["type"] == "MissingLayersError"
     assert all(r.session_count() == 0 for r in runners.values())
+
+
+DOCS_API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def refused_fields(section: str) -> list[str]:
+    """The fields `docs/api.md` lists as refused in `section` (its table rows)."""
+    text = DOCS_API.read_text().split(f"## `POST {section}`")[1].split("\n## ")[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `") and "refused" in line]
+    return [f for row in rows for f in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])]
+
+
+@pytest.mark.parametrize(
+    ("path", "base"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+)
+def test_every_field_the_api_doc_lists_as_refused_is_refused_by_name(
+    app: FastAPI, path: str, base: dict[str, object]
+) -> None:
+    fields = refused_fields(path)
+    assert len(fields) >= (20 if "chat" in path else 5)
+    for field in fields:
+        value: object = 2 if field == "n" else {"x": 1} if field != "logprobs" else True
+        response = post(app, path, base | {field: value})
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"].split(".")[0] == field
+
+
+def test_penalties_are_accepted_in_openai_ranges(app: FastAPI) -> None:
+    body = CHAT | {"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.3}
+    response = post(app, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    completion = run(
+        client(app).completions.create(
+            model="fake", prompt="abc", max_tokens=3, temperature=0, frequency_penalty=0.5
+        )
+    )
+    assert completion.choices[0].text == "def"  # the counting model's margin outweighs it

@@ -56,6 +56,7 @@ def fake_mesh(
     pipelined: bool = True,
     piece_tokens: int = 512,
     max_drafts: int = 0,
+    head: object | None = None,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
@@ -63,7 +64,7 @@ def fake_mesh(
     (`a3`: another copy of 2:4, `b3` of 4:6). With `push`, steps go through the whole
     route as one `Transport.push` call (ADR-0034); `pipelined` prompts overlap across the
     hops (ADR-0036), the entry's span running them in pieces of `piece_tokens`; with
-    `max_drafts`, prompt-lookup speculation (ADR-0038).
+    `max_drafts`, prompt-lookup speculation (ADR-0038); `head` replaces the counting head.
     """
     local = EchoRunner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
@@ -79,7 +80,7 @@ def fake_mesh(
     pipeline = Pipeline(
         MODEL,
         6,
-        CountingHead(margin),
+        head or CountingHead(margin),
         local,
         service,
         StaticRoutes(hops),

@@ -134,3 +134,28 @@ def test_a_session_rewind_trims_history_and_replay_inputs() -> None:
     assert (session.position, session.history, session.rewinding) == (4, [0, 1, 2, 3], True)
     assert [[p.shape[1] for p in pieces] for pieces in session.inputs] == [[4], [4]]
     assert session.replay_bytes == 2 * 4 * 2 * 4
+
+
+class FavouriteHead:
+    """Always favours "x" (logit 1.0), then "y" (0.5); every other id, end of text (0)
+    included, gets 0."""
+
+    embed_tokens = staticmethod(lambda ids, position: torch.zeros(*ids.shape, 8))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(*hidden.shape[:-1], 128)
+        out[..., ord("x")], out[..., ord("y")] = 1.0, 0.5
+        return out
+
+
+@pytest.mark.parametrize("drafts", [0, 8])
+def test_penalties_reach_every_round_drafted_or_not(drafts: int) -> None:
+    """Greedy "x" forever; a presence penalty of 1 takes "x" once, then "y", then nothing
+    stands above end of text. Drafts (the prompt's "xxxx" invites them) change nothing."""
+    penalized = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    outputs = []
+    for sampling in (SamplingParams(temperature=0.0), penalized):
+        generator, _, _ = fake_mesh(max_drafts=drafts, head=FavouriteHead())
+        text, _ = run(collect(generator, "xxxx", GenerationParams(8, (), sampling)))
+        outputs.append(text)
+    assert outputs == ["xxxxxxxx", "xy"]

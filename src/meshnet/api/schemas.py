@@ -1,15 +1,15 @@
 """Request bodies of the OpenAI-compatible API, as declared pydantic models.
 
-Fields follow OpenAI's API reference; `top_k` is an extension. Fields meshnet does not
-implement are either refused with a clear 400 (`n` > 1, penalties, `logprobs`) or, when
-unknown, refused by `extra="forbid"`.
+Fields follow OpenAI's API reference; `top_k` and `repetition_penalty` are extensions.
+Fields meshnet does not implement are either refused with a clear 400 (`n` > 1,
+`logprobs`) or, when unknown, refused by `extra="forbid"`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.text.params import GenerationParams, SamplingParams
 
@@ -58,22 +58,24 @@ class Sampling(Schema):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = Field(default=None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; leave them out or send 0")
-        return value
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # an extension
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

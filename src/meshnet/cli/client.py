@@ -43,9 +43,28 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", help="model id (default: the first one served)")
     parser.add_argument("--max-tokens", type=int, default=default.max_tokens)
-    parser.add_argument("--temperature", type=float, default=default.temperature, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=default.top_p)
-    parser.add_argument("--top-k", type=int, default=default.top_k, help="0 = no limit")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=default.temperature,
+        help="0 = greedy (default %(default)s)",
+    )
+    parser.add_argument("--top-p", type=float, default=default.top_p, help="(default %(default)s)")
+    parser.add_argument(
+        "--top-k", type=int, default=default.top_k, help="0 = no limit (default %(default)s)"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=default.repetition_penalty,
+        help="divide the logits of the last 64 tokens by this (1 = off; default %(default)s)",
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2 to 2 (default 0)"
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's, -2 to 2 (default 0)"
+    )
     parser.add_argument("--seed", type=int, help="reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     parser.add_argument(
@@ -68,6 +87,9 @@ def generate_options(args: argparse.Namespace) -> GenerateOptions:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
         stop=tuple(args.stop),
         raw=getattr(args, "raw", False),

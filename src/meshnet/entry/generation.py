@@ -104,8 +104,10 @@ class Generator:
     ) -> AsyncGenerator[Event]:
         state = Decoding()
         generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
-        pick = partial(sample, params=params.sampling, generator=generator)
-        rounds = Rounds(self.pipeline, params.sampling, generator, self.max_drafts, self.drafter)
+        pick = partial(sample, params=params.sampling, generator=generator, history=prompt)
+        rounds = Rounds(
+            self.pipeline, params.sampling, generator, self.max_drafts, self.drafter, len(prompt)
+        )
         fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
         while state.reason is None:

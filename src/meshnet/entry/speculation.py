@@ -34,6 +34,7 @@ class Rounds:
     generator: torch.Generator
     max_drafts: int  # 0: never draft
     drafter: Drafter = field(default_factory=LookupDrafter)
+    prompt_tokens: int = 0  # the history's first tokens that are the prompt (penalties)
     rounds: int = 0  # trips through the mesh after the prompt's
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0  # of those, the ones that stood
@@ -47,8 +48,12 @@ class Rounds:
         drafts = await self._drafts(session, last, k) if k > 0 else []
         started = time.perf_counter()
         self.rounds += 1
+        text = [*session.history, last]  # what the logits follow (penalties look at it)
+        generated = len(text) - self.prompt_tokens
         if not drafts:
-            token = await self.pipeline.feed(session, [last], self._pick)
+            token = await self.pipeline.feed(
+                session, [last], lambda logits: self._pick(logits, text, generated)
+            )
             self.state = after_plain(
                 self.state, time.perf_counter() - started, INITIAL_DRAFT_TOKENS, PROBE_EVERY
             )
@@ -56,7 +61,9 @@ class Rounds:
         taken, after = await self.pipeline.feed(
             session,
             [last, *drafts],
-            lambda logits: accept_drafts(logits, drafts, self.params, self.generator),
+            lambda logits: accept_drafts(
+                logits, drafts, self.params, self.generator, text, generated
+            ),
             rows=len(drafts) + 1,
         )
         session.rewind(len(drafts) - taken)
@@ -72,5 +79,5 @@ class Rounds:
             return await self.pipeline.executor.call(self.drafter.propose, session.id, text, k)
         return self.drafter.propose(session.id, text, k)
 
-    def _pick(self, logits: torch.Tensor) -> int:
-        return sample(logits, self.params, self.generator)
+    def _pick(self, logits: torch.Tensor, text: list[int], generated: int) -> int:
+        return sample(logits, self.params, self.generator, text, generated)

@@ -13,6 +13,19 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = all
     seed: int | None = None  # reproducible sampling; None = fresh randomness per request
+    # OpenAI's: minus penalty x count (frequency) or x 1 (presence) for each generated token
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # CTRL's (llama.cpp's, transformers'): a recent token's logit / p when > 0, else x p
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.frequency_penalty, self.presence_penalty, self.repetition_penalty) != (
+            0.0,
+            0.0,
+            1.0,
+        )
 
 
 @dataclass(frozen=True)

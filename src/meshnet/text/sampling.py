@@ -1,11 +1,15 @@
-"""Choosing the next token from logits: a pure function of the logits, the settings and an RNG.
+"""Choosing the next token from logits: a pure function of the logits, the settings, the
+tokens so far and an RNG.
 
-All logit work is float32. Temperature 0 means greedy (argmax, no randomness used). Only
-tensor methods are used, so this module imports no torch: the logits bring it along.
+All logit work is float32. Penalties come first (on the logits, as OpenAI, llama.cpp and
+transformers apply them), then temperature, top-k and top-p. Temperature 0 means greedy
+(argmax of the penalized logits, no randomness used). Only tensor methods are used, so this
+module imports no torch: the logits bring it along.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from meshnet.text.params import SamplingParams
@@ -13,18 +17,54 @@ from meshnet.text.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+REPEAT_WINDOW = 64  # tokens the repetition penalty looks back over (llama.cpp's repeat_last_n)
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from `logits` [V] (any float dtype)."""
-    probs = probabilities(logits, params)
+
+def penalize(
+    logits: torch.Tensor, params: SamplingParams, history: Sequence[int], generated: int
+) -> torch.Tensor:
+    """`logits` [V] as float32, penalized for what `history` (every token so far, prompt
+    first) holds: OpenAI's frequency and presence penalties count the last `generated`
+    tokens (the completion's own, as vLLM counts them); the repetition penalty divides a
+    positive logit (multiplies a negative one) of any token among the last `REPEAT_WINDOW`."""
+    scores = logits.float().reshape(-1)
+    if not params.penalized or not history:
+        return scores
+    scores = scores.clone()
+    vocab = scores.numel()
+    done = [t for t in history[len(history) - generated :] if 0 <= t < vocab] if generated else []
+    if done and (params.frequency_penalty or params.presence_penalty):
+        counts = scores.new_tensor(done).long().bincount(minlength=vocab).to(scores.dtype)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * counts.clamp(max=1)
+    recent = sorted({t for t in history[-REPEAT_WINDOW:] if 0 <= t < vocab})
+    if params.repetition_penalty != 1.0 and recent:
+        at = scores.new_tensor(recent).long()
+        values = scores[at]
+        penalty = params.repetition_penalty
+        scores[at] = (values / penalty).where(values > 0, values * penalty)
+    return scores
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    history: Sequence[int] = (),
+    generated: int = 0,
+) -> int:
+    """One token id from `logits` [V] (any float dtype) after `history`, whose last
+    `generated` tokens are the completion's (`penalize`)."""
+    scores = penalize(logits, params, history, generated)
+    probs = probabilities(scores, params)
     if probs is None:
-        return int(logits.float().reshape(-1).argmax())
+        return int(scores.argmax())
     return int(probs.multinomial(1, generator=generator))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
     """The distribution [V] (float32) `sample` draws from, after temperature, top-k and
-    top-p; None where it takes the argmax instead (temperature 0, or one that overflows)."""
+    top-p (penalties are the caller's, `penalize`); None where it takes the argmax instead
+    (temperature 0, or one that overflows)."""
     scores = logits.float().reshape(-1)
     if params.temperature <= 0.0:
         return None
@@ -41,7 +81,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor 
 
 
 def accept_drafts(
-    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    drafts: list[int],
+    params: SamplingParams,
+    generator: torch.Generator,
+    history: Sequence[int] = (),
+    generated: int = 0,
 ) -> tuple[int, int]:
     """Speculative sampling against a drafter that proposes one token for sure (prompt
     lookup, a greedy draft model): (drafts accepted, the token after them).
@@ -51,12 +96,14 @@ def accept_drafts(
     with probability p_i(d_i); the first that falls is replaced by a draw from p_i without
     d_i (renormalized), and when all stand the next token is drawn from p_n. Each token then
     has exactly the distribution `sample` gives it one at a time (Leviathan et al. 2023,
-    with a draft distribution that puts all its mass on d_i).
+    with a draft distribution that puts all its mass on d_i). Row i is penalized for
+    `history` and the drafts before it, as `sample` would be one token at a time.
     """
     for i, draft in enumerate(drafts):
-        probs = probabilities(logits[i], params)
+        scores = penalize(logits[i], params, [*history, *drafts[:i]], generated + i)
+        probs = probabilities(scores, params)
         if probs is None:
-            best = int(logits[i].float().argmax())
+            best = int(scores.argmax())
             if best != draft:
                 return i, best
             continue
@@ -64,7 +111,8 @@ def accept_drafts(
             rest = probs.clone()
             rest[draft] = 0.0
             return i, int(rest.multinomial(1, generator=generator))  # multinomial normalizes
-    return len(drafts), sample(logits[len(drafts)], params, generator)
+    done, k = [*history, *drafts], len(drafts)
+    return k, sample(logits[k], params, generator, done, generated + k)
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
