@@ -7,6 +7,7 @@ server-sent event format and error bodies byte for byte where the client would h
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,7 +228,7 @@ def test_every_field_the_api_doc_lists_as_refused_is_refused_by_name(
     app: FastAPI, path: str, base: dict[str, object]
 ) -> None:
     fields = refused_fields(path)
-    assert len(fields) >= (20 if "chat" in path else 5)
+    assert len(fields) >= (18 if "chat" in path else 4)
     for field in fields:
         value: object = 2 if field == "n" else {"x": 1} if field != "logprobs" else True
         response = post(app, path, base | {field: value})
@@ -245,3 +246,43 @@ def test_penalties_are_accepted_in_openai_ranges(app: FastAPI) -> None:
         )
     )
     assert completion.choices[0].text == "def"  # the counting model's margin outweighs it
+
+
+def test_logprobs_are_the_log_softmax_of_the_entry_logits(app: FastAPI) -> None:
+    """The fake head gives the next letter logit 20 and the 127 other ids 0."""
+    chosen, other = 20 - math.log(math.exp(20) + 127), -math.log(math.exp(20) + 127)
+    body = CHAT | {"max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    answer = post(app, "/v1/chat/completions", body).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    text = answer["choices"][0]["message"]["content"]
+    assert "".join(e["token"] for e in content) == text and len(content) == 3
+    for entry in content:
+        assert entry["logprob"] == pytest.approx(chosen, abs=1e-5)
+        assert entry["bytes"] == list(entry["token"].encode())
+        top = entry["top_logprobs"]
+        assert top[0]["token"] == entry["token"] and top[1]["logprob"] == pytest.approx(other)
+    chunks = [
+        json.loads(line[6:])
+        for line in post(app, "/v1/chat/completions", body | {"stream": True}).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    streamed = [
+        entry
+        for chunk in chunks
+        for entry in (chunk["choices"][0].get("logprobs") or {}).get("content") or []
+    ]
+    assert streamed == content
+    plain = post(app, "/v1/chat/completions", CHAT | {"max_tokens": 3}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completions_logprobs_come_in_the_legacy_lists(app: FastAPI) -> None:
+    answer = post(app, "/v1/completions", COMPLETION | {"max_tokens": 3, "logprobs": 2}).json()
+    lists = answer["choices"][0]["logprobs"]
+    assert lists["tokens"] == ["d", "e", "f"] and lists["text_offset"] == [0, 1, 2]
+    assert [len(t) for t in lists["top_logprobs"]] == [2, 2, 2]
+    assert lists["token_logprobs"][0] == pytest.approx(20 - math.log(math.exp(20) + 127), abs=1e-5)
+    refused = post(app, "/v1/chat/completions", CHAT | {"top_logprobs": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+    too_many = post(app, "/v1/completions", COMPLETION | {"logprobs": 6})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"

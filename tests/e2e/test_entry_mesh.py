@@ -130,6 +130,35 @@ def batched_steps(url: str) -> float:
     return counts["+Inf"] - counts["1.0"]
 
 
+def test_openai_client_gets_logprobs_and_sends_penalties(mesh: Mesh) -> None:
+    """Through the 3-process mesh with the real `openai` package (issue #25)."""
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model="default", messages=question, temperature=0, logprobs=True, top_logprobs=2
+    )
+    choice = chat.choices[0]
+    assert choice.message.content == "The capital of France is Paris."
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert "".join(e.token for e in entries) == choice.message.content
+    assert all(e.logprob <= 0 and e.top_logprobs[0].token == e.token for e in entries)
+    text = client.completions.create(
+        model="default",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+    )
+    lists = text.choices[0].logprobs
+    assert lists is not None and "".join(lists.tokens or []) == text.choices[0].text
+    assert len(lists.token_logprobs or []) == 4 and lists.text_offset == sorted(
+        lists.text_offset or []
+    )
+
+
 def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.url]

@@ -159,3 +159,17 @@ def test_penalties_reach_every_round_drafted_or_not(drafts: int) -> None:
         text, _ = run(collect(generator, "xxxx", GenerationParams(8, (), sampling)))
         outputs.append(text)
     assert outputs == ["xxxxxxxx", "xy"]
+
+
+def test_drafted_rounds_score_their_tokens_as_plain_decoding_does() -> None:
+    """Verified drafts get their logprobs from their own rows of the verify frame: the same
+    list, token for token, as one token a round."""
+    params = GenerationParams(12, (), SamplingParams(temperature=0.0), logprobs=2)
+
+    async def scores(drafts: int) -> list[object]:
+        generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, margin=3.0)
+        ids = generator.codec.encode(PROMPTS["quote"])
+        return [s async for e in generator.stream(ids, params) for s in getattr(e, "logprobs", ())]
+
+    plain, drafted = run(scores(0)), run(scores(8))
+    assert len(plain) == 12 and drafted == plain

@@ -89,3 +89,14 @@ def test_drafts_are_penalized_as_one_token_at_a_time(temperature: float) -> None
     else:  # sampling: a draft stands with its penalized probability, never a zero one
         taken, _ = accept_drafts(rows, one_by_one[:4], params, seeded_rng(11, 0), history, 1)
         assert 0 <= taken <= 4
+
+
+def test_a_token_is_scored_by_the_log_softmax_of_its_logits() -> None:
+    from meshnet.text.sampling import scored
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5, 2.0]]).to(torch.bfloat16)
+    exact = torch.log_softmax(logits.float()[0], dim=-1)
+    score = scored(logits, 4, top=2)
+    assert score.token == 4 and score.logprob == float(exact[4])
+    assert score.top == ((1, float(exact[1])), (4, float(exact[4])))
+    assert scored(logits, 0, top=0).top == ()

@@ -22,17 +22,20 @@ from starlette.types import Message, Send
 
 from meshnet import __version__
 from meshnet.api import schemas
+from meshnet.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import MeshError, RequestError, UnknownModelError
 from meshnet.http_errors import install_error_handlers
 from meshnet.security.access import Credentials, Guard, Rule, client_of, rule
 from meshnet.security.limits import ClientLimiter
 from meshnet.text.codec import TextCodec
-from meshnet.text.events import Delta, Event, Finished
+from meshnet.text.events import Delta, Event, Finished, TokenLogprob
 from meshnet.text.params import GenerationParams
 
 log = logging.getLogger(__name__)
-Render = Callable[[str | None, Finished | None, bool], dict[str, Any]]  # (text, end, first)
+Scores = tuple[TokenLogprob, ...]
+# (text, end, first chunk, the tokens' scores) -> the answer or chunk
+Render = Callable[[str | None, Finished | None, bool, Scores], dict[str, Any]]
 Elsewhere = Callable[[Request], Awaitable[Response]]  # answers a call for a model not served here
 
 
@@ -127,7 +130,7 @@ def api_router(
         params = request.params(min(default_max_tokens, limits.max_tokens, room))
         check_max_tokens(params, limits, request.max_tokens_field())
         events = _limited(generator.stream(prompt, params), limiter, client)
-        render = _chat_renderer(request.model)
+        render = _chat_renderer(request.model, _token_text(generator, params))
         return await _respond(events, request, render, "chat.completion", limits.write_timeout_s)
 
     @router.post("/v1/completions")
@@ -142,11 +145,19 @@ def api_router(
         check_prompt(prompt, limits, "prompt")
         check_room(prompt, generator.max_context, "prompt")
         check_max_tokens(request.params(), limits, "max_tokens")
-        events = _limited(generator.stream(prompt, request.params()), limiter, client)
-        render = _text_renderer(request.model)
+        params = request.params()
+        events = _limited(generator.stream(prompt, params), limiter, client)
+        render = _text_renderer(request.model, _token_text(generator, params))
         return await _respond(events, request, render, "text_completion", limits.write_timeout_s)
 
     return router
+
+
+def _token_text(generator: Generator, params: GenerationParams) -> TokenText | None:
+    """A token's own text, for answers that report logprobs; None when none were asked."""
+    if params.logprobs is None:
+        return None
+    return lambda token: generator.codec.decode([token])
 
 
 CHARS_PER_TOKEN = 16  # a prompt over this many characters a token is refused untokenized
@@ -246,37 +257,40 @@ async def _respond(
     if request.stream:
         sse = _sse(first, events, render, request.include_usage())
         return DeadlineStream(sse, write_timeout_s, media_type="text/event-stream")
-    text, end = await _collect(first, events)
-    body = render(text, end, False) | {"object": kind}
+    text, end, scores = await _collect(first, events)
+    body = render(text, end, False, scores) | {"object": kind}
     choice = body["choices"][0]
     if choice.pop("delta", None) is not None:
         choice["message"] = {"role": "assistant", "content": text}
     return JSONResponse(body)
 
 
-async def _collect(first: Event, events: AsyncGenerator[Event]) -> tuple[str, Finished]:
-    parts, event = [], first
+async def _collect(first: Event, events: AsyncGenerator[Event]) -> tuple[str, Finished, Scores]:
+    parts: list[str] = []
+    scores: list[TokenLogprob] = []
+    event = first
     try:
         while isinstance(event, Delta):
             parts.append(event.text)
+            scores.extend(event.logprobs)
             event = await anext(events)
     finally:
         await events.aclose()
-    return "".join(parts), event
+    return "".join(parts), event, tuple(scores)
 
 
 async def _sse(
     first: Event, events: AsyncGenerator[Event], render: Render, include_usage: bool
 ) -> AsyncIterator[str]:
     try:
-        yield _data(render("", None, True))
+        yield _data(render("", None, True, ()))
         event = first
         while isinstance(event, Delta):
-            yield _data(render(event.text, None, False))
+            yield _data(render(event.text, None, False, event.logprobs))
             event = await anext(events)
-        yield _data(render(None, event, False))
+        yield _data(render(None, event, False, ()))
         if include_usage:
-            usage = render(None, event, False)
+            usage = render(None, event, False, ())
             yield _data({k: v for k, v in usage.items() if k != "meshnet"} | {"choices": []})
     except MeshError as exc:
         log.warning("stream ended by an error: %s", exc.message)
@@ -290,24 +304,33 @@ def _data(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def _chat_renderer(model: str) -> Render:
+def _chat_renderer(model: str, token_text: TokenText | None) -> Render:
     base = _base(model, "chatcmpl", "chat.completion.chunk")
 
-    def render(text: str | None, end: Finished | None, first: bool) -> dict[str, Any]:
+    def render(
+        text: str | None, end: Finished | None, first: bool, scores: Scores
+    ) -> dict[str, Any]:
         delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        choice["logprobs"] = None  # OpenAI's when none were asked, or none in this chunk
+        if token_text is not None and scores:
+            choice["logprobs"] = chat_logprobs(scores, token_text)
         return _finish(base(), choice, end)
 
     return render
 
 
-def _text_renderer(model: str) -> Render:
+def _text_renderer(model: str, token_text: TokenText | None) -> Render:
     base = _base(model, "cmpl", "text_completion")
+    lists = CompletionLogprobs(token_text) if token_text is not None else None
 
-    def render(text: str | None, end: Finished | None, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None}
+    def render(
+        text: str | None, end: Finished | None, first: bool, scores: Scores
+    ) -> dict[str, Any]:
+        logprobs = lists.block(scores) if lists is not None and scores else None
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs}
         return _finish(base(), choice | {"finish_reason": None}, end)
 
     return render

@@ -1,15 +1,15 @@
 """Request bodies of the OpenAI-compatible API, as declared pydantic models.
 
 Fields follow OpenAI's API reference; `top_k` and `repetition_penalty` are extensions.
-Fields meshnet does not implement are either refused with a clear 400 (`n` > 1,
-`logprobs`) or, when unknown, refused by `extra="forbid"`.
+Fields meshnet does not implement are either refused with a clear 400 (`n` > 1) or, when
+unknown, refused by `extra="forbid"` (`docs/api.md` lists them).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from meshnet.text.params import GenerationParams, SamplingParams
 
@@ -85,14 +85,23 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def params(self, default_max_tokens: int) -> GenerationParams:
         limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return GenerationParams(limit, self.stops(), self.sampling())
+        scored = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerationParams(limit, self.stops(), self.sampling(), scored)
 
 
 class CompletionRequest(Sampling):
@@ -100,10 +109,10 @@ class CompletionRequest(Sampling):
         max_length=MAX_TEXT_CHARS
     )
     max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # alternatives per token
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def params(self) -> GenerationParams:
-        return GenerationParams(self.max_tokens, self.stops(), self.sampling())
+        return GenerationParams(self.max_tokens, self.stops(), self.sampling(), self.logprobs)

@@ -28,7 +28,6 @@ from meshnet.text.codec import TextCodec
 from meshnet.text.decoding import Decoding
 from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams
-from meshnet.text.sampling import sample
 from meshnet.tracker import messages as msg
 
 log = logging.getLogger(__name__)
@@ -104,19 +103,28 @@ class Generator:
     ) -> AsyncGenerator[Event]:
         state = Decoding()
         generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
-        pick = partial(sample, params=params.sampling, generator=generator, history=prompt)
         rounds = Rounds(
-            self.pipeline, params.sampling, generator, self.max_drafts, self.drafter, len(prompt)
+            self.pipeline,
+            params.sampling,
+            generator,
+            self.max_drafts,
+            self.drafter,
+            len(prompt),
+            params.logprobs,
         )
+        pick = partial(rounds.pick, text=prompt, generated=0)
         fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread
         tokens = self.metrics.tokens_generated.labels(self.model)
         while state.reason is None:
             for token in fresh:  # a round gives one token, or several verified drafts
                 state.first_s = state.first_s or time.perf_counter() - started
                 delta = state.accept(token, self.codec, params)
-                tokens.inc(token not in self.codec.eos_token_ids)
-                if delta:
-                    yield Delta(delta)
+                ending = token in self.codec.eos_token_ids
+                tokens.inc(not ending)
+                score = rounds.scores.pop(0) if rounds.scores else None
+                scores = (score,) if score is not None and not ending else ()
+                if delta or scores:
+                    yield Delta(delta, scores)
                 if state.reason is not None:
                     break
             else:

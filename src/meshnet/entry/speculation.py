@@ -18,8 +18,9 @@ from meshnet.entry.drafter import Drafter, LookupDrafter
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.session import PipelineSession
 from meshnet.text.drafts import DraftState, after_plain, after_verify
+from meshnet.text.events import TokenLogprob
 from meshnet.text.params import SamplingParams
-from meshnet.text.sampling import accept_drafts, sample
+from meshnet.text.sampling import accept_drafts, sample, scored
 
 INITIAL_DRAFT_TOKENS = 4  # the first verify round's drafts, once a plain step was timed
 PROBE_EVERY = 16  # plain steps after drafting stopped paying before it tries 1 draft again
@@ -35,6 +36,8 @@ class Rounds:
     max_drafts: int  # 0: never draft
     drafter: Drafter = field(default_factory=LookupDrafter)
     prompt_tokens: int = 0  # the history's first tokens that are the prompt (penalties)
+    logprobs: int | None = None  # score each picked token, with this many alternatives
+    scores: list[TokenLogprob] = field(default_factory=list)  # picked tokens' scores, in order
     rounds: int = 0  # trips through the mesh after the prompt's
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0  # of those, the ones that stood
@@ -52,7 +55,7 @@ class Rounds:
         generated = len(text) - self.prompt_tokens
         if not drafts:
             token = await self.pipeline.feed(
-                session, [last], lambda logits: self._pick(logits, text, generated)
+                session, [last], lambda logits: self.pick(logits, text, generated)
             )
             self.state = after_plain(
                 self.state, time.perf_counter() - started, INITIAL_DRAFT_TOKENS, PROBE_EVERY
@@ -61,9 +64,7 @@ class Rounds:
         taken, after = await self.pipeline.feed(
             session,
             [last, *drafts],
-            lambda logits: accept_drafts(
-                logits, drafts, self.params, self.generator, text, generated
-            ),
+            lambda logits: self._verify(logits, drafts, text, generated),
             rows=len(drafts) + 1,
         )
         session.rewind(len(drafts) - taken)
@@ -79,5 +80,21 @@ class Rounds:
             return await self.pipeline.executor.call(self.drafter.propose, session.id, text, k)
         return self.drafter.propose(session.id, text, k)
 
-    def _pick(self, logits: torch.Tensor, text: list[int], generated: int) -> int:
-        return sample(logits, self.params, self.generator, text, generated)
+    def pick(self, logits: torch.Tensor, text: list[int], generated: int) -> int:
+        """The token after `text` (`generated` of it the completion's), scored if asked."""
+        token = sample(logits, self.params, self.generator, text, generated)
+        self._score(logits.reshape(1, -1), [token])
+        return token
+
+    def _verify(
+        self, logits: torch.Tensor, drafts: list[int], text: list[int], generated: int
+    ) -> tuple[int, int]:
+        taken, after = accept_drafts(logits, drafts, self.params, self.generator, text, generated)
+        self._score(logits, [*drafts[:taken], after])
+        return taken, after
+
+    def _score(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        """Record `tokens[i]`'s score under `rows[i]` [V] (when logprobs were asked)."""
+        if self.logprobs is not None:
+            used = zip(rows[: len(tokens)], tokens, strict=True)  # drafts after a miss: unused
+            self.scores.extend(scored(row, token, self.logprobs) for row, token in used)

@@ -11,8 +11,19 @@ FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its logits, before
+    penalties and temperature) and the `top` most likely ids with theirs, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens decided at this step, when asked
 
 
 @dataclass(frozen=True)

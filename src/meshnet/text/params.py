@@ -33,3 +33,4 @@ class GenerationParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = SamplingParams()
+    logprobs: int | None = None  # report each token's log-probability and this many others

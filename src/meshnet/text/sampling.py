@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from meshnet.text.events import TokenLogprob
 from meshnet.text.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,6 +60,17 @@ def sample(
     if probs is None:
         return int(scores.argmax())
     return int(probs.multinomial(1, generator=generator))
+
+
+def scored(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits` [V] (log-softmax in float32, the model's own
+    distribution: before penalties and temperature) and the `top` best ids with theirs."""
+    logprobs = logits.float().reshape(-1).log_softmax(dim=-1)
+    best = logprobs.topk(min(top, logprobs.numel())) if top > 0 else None
+    pairs = (
+        () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    )
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
