@@ -197,3 +197,9 @@ def test_prefill_benchmark_pipelines_against_its_bound() -> None:
     assert len(rows) == 1
     one, pipelined, bound = float(rows[0][4]), float(rows[0][5].split()[0]), float(rows[0][6])
     assert pipelined < one and bound > 0
+
+
+def test_grammar_benchmark_prints_the_cost_of_a_mask() -> None:
+    rows = [line.split("|") for line in run_tiny("grammar.py").splitlines()]
+    rows = [row for row in rows if len(row) == 7 and row[2].strip().isdigit()]
+    assert len(rows) == 3 and all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)

@@ -286,3 +286,49 @@ def test_completions_logprobs_come_in_the_legacy_lists(app: FastAPI) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
     too_many = post(app, "/v1/completions", COMPLETION | {"logprobs": 6})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_output_always_matches(app: FastAPI) -> None:
+    """The counting model alone would write "def..."; the schema's mask makes it JSON."""
+    body = CHAT | {
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    }
+    answer = post(app, "/v1/chat/completions", body).json()
+    person = json.loads(answer["choices"][0]["message"]["content"])
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert len(person["name"]) <= 6 and answer["choices"][0]["finish_reason"] == "stop"
+    # json_object: any object; the counting model opens a key and writes it to the length
+    anything = CHAT | {"max_tokens": 8, "response_format": {"type": "json_object"}}
+    choice = post(app, "/v1/chat/completions", anything).json()["choices"][0]
+    assert choice["message"]["content"].startswith('{"') and choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}},
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "deep", "schema": {"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}},
+        },
+        {"type": "json_schema"},
+        {"type": "json_object", "json_schema": {"name": "p", "schema": PERSON}},
+        {"type": "xml"},
+    ],
+    ids=["not a schema", "too deep", "no schema", "schema without its type", "unknown type"],
+)
+def test_a_bad_response_format_is_refused_before_any_token(
+    app: FastAPI, response_format: dict[str, object]
+) -> None:
+    response = post(app, "/v1/chat/completions", CHAT | {"response_format": response_format})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("response_format")

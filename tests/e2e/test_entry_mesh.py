@@ -8,6 +8,7 @@ streaming and not, with a prompt long enough for chunked prefill.
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,31 @@ def test_openai_client_gets_logprobs_and_sends_penalties(mesh: Mesh) -> None:
     assert len(lists.token_logprobs or []) == 4 and lists.text_offset == sorted(
         lists.text_offset or []
     )
+
+
+def test_openai_client_gets_json_matching_its_schema(mesh: Mesh) -> None:
+    """Structured output through the 3-process mesh: the answer parses and matches."""
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
+    schema = {
+        "type": "object",
+        "properties": {
+            "country": {"type": "string", "maxLength": 20},
+            "capital": {"type": "string", "maxLength": 20},
+        },
+        "required": ["country", "capital"],
+        "additionalProperties": False,
+    }
+    question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    chat = client.chat.completions.create(
+        model="default",
+        messages=question,
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    answer = json.loads(chat.choices[0].message.content or "")
+    assert set(answer) == {"country", "capital"} and chat.choices[0].finish_reason == "stop"
+    assert "Paris" in answer["capital"]
 
 
 def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:

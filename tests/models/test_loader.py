@@ -107,8 +107,8 @@ def test_sharded_index_reads_only_the_files_it_needs(
     assert len(set(index["weight_map"].values())) > 2
     checkpoint = SafetensorsCheckpoint.open(folder)
     shard = load_shard(resolve(str(folder)), LayerSpan(4, 6), "fp32", checkpoint)
-    opened = set(checkpoint._open)
-    assert opened == {
+    assert not checkpoint._open  # released after the load
+    assert checkpoint.opened == {
         index["weight_map"][n]
         for n in index["weight_map"]
         if n.startswith(("model.layers.4.", "model.layers.5."))

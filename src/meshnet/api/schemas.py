@@ -7,13 +7,23 @@ unknown, refused by `extra="forbid"` (`docs/api.md` lists them).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from meshnet.text.params import GenerationParams, SamplingParams
 
 MAX_STOPS = 4
+# llguidance's JSON without free whitespace: a small model cannot pad an answer with blanks
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 MAX_TEXT_CHARS = 1_000_000
 
 
@@ -39,6 +49,33 @@ class ChatMessage(Schema):
 
 class StreamOptions(Schema):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Schema):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(default=None, max_length=1000)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # always strict here: the output matches the schema
+
+
+class ResponseFormat(Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_goes_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema comes with type json_schema, and only with it")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match (JSON text), or None for plain text."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object", **COMPACT})
+        if self.type == "json_schema":
+            assert self.json_schema is not None  # validated above
+            return json.dumps({**(self.json_schema.schema_ or {"type": "object"}), **COMPACT})
+        return None
 
 
 class Sampling(Schema):
@@ -87,6 +124,7 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -101,7 +139,8 @@ class ChatCompletionRequest(Sampling):
     def params(self, default_max_tokens: int) -> GenerationParams:
         limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
         scored = (self.top_logprobs or 0) if self.logprobs else None
-        return GenerationParams(limit, self.stops(), self.sampling(), scored)
+        schema = self.response_format.schema_text() if self.response_format else None
+        return GenerationParams(limit, self.stops(), self.sampling(), scored, schema)
 
 
 class CompletionRequest(Sampling):

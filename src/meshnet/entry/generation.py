@@ -9,6 +9,7 @@ on every hop when the stream ends for any reason, the client going away included
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -18,6 +19,7 @@ from functools import partial
 import torch
 
 from meshnet.entry.drafter import Drafter, LookupDrafter
+from meshnet.entry.grammar import Grammar
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.speculation import Rounds
@@ -74,6 +76,9 @@ class Generator:
     async def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
         """Text deltas, then one `Finished`; the session is closed on every hop at the end."""
         self.check(prompt, params)
+        grammar = None
+        if params.schema is not None:  # a bad schema is a 400 here, before any work
+            grammar = await asyncio.to_thread(self._grammar, params)
         started = time.perf_counter()
         session: PipelineSession | None = None
         end: Finished | None = None
@@ -83,7 +88,7 @@ class Generator:
             current_session.set(session.id)  # every later line of this request names it
             route = ", ".join(str(h) for h in session.hops) or "no remote hops"
             log.info("%d prompt tokens; route %s", len(prompt), route)
-            async for event in self._generate(session, prompt, params, started):
+            async for event in self._generate(session, prompt, params, started, grammar):
                 end = event if isinstance(event, Finished) else None
                 yield event
         except Exception as exc:  # recorded for the dashboard, then raised on unchanged
@@ -98,8 +103,19 @@ class Generator:
                 log.info("closed")
             self._report(session, len(prompt), end, error, time.perf_counter() - started)
 
+    def _grammar(self, params: GenerationParams) -> Grammar:
+        """The request's structured-output constraint (its tokenizer is made once)."""
+        assert params.schema is not None  # checked by the caller
+        tokenizer = self.codec.grammar_tokenizer()
+        return Grammar(tokenizer, json.loads(params.schema), "response_format")
+
     async def _generate(
-        self, session: PipelineSession, prompt: list[int], params: GenerationParams, started: float
+        self,
+        session: PipelineSession,
+        prompt: list[int],
+        params: GenerationParams,
+        started: float,
+        grammar: Grammar | None = None,
     ) -> AsyncGenerator[Event]:
         state = Decoding()
         generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
@@ -111,6 +127,7 @@ class Generator:
             self.drafter,
             len(prompt),
             params.logprobs,
+            grammar=grammar,
         )
         pick = partial(rounds.pick, text=prompt, generated=0)
         fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshnet.entry.drafter import Drafter, LookupDrafter
+from meshnet.entry.grammar import Grammar
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.session import PipelineSession
 from meshnet.text.drafts import DraftState, after_plain, after_verify
@@ -38,6 +39,7 @@ class Rounds:
     prompt_tokens: int = 0  # the history's first tokens that are the prompt (penalties)
     logprobs: int | None = None  # score each picked token, with this many alternatives
     scores: list[TokenLogprob] = field(default_factory=list)  # picked tokens' scores, in order
+    grammar: Grammar | None = None  # structured output: tokens it forbids are never picked
     rounds: int = 0  # trips through the mesh after the prompt's
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0  # of those, the ones that stood
@@ -47,7 +49,7 @@ class Rounds:
 
     async def next(self, session: PipelineSession, last: int, left: int) -> list[int]:
         """Feed `last` (sampled, not yet fed); the tokens that follow it, at most `left`."""
-        k = min(self.state.length, self.max_drafts, left - 1)
+        k = min(self.state.length, self.max_drafts, left - 1) if self.grammar is None else 0
         drafts = await self._drafts(session, last, k) if k > 0 else []
         started = time.perf_counter()
         self.rounds += 1
@@ -82,8 +84,11 @@ class Rounds:
 
     def pick(self, logits: torch.Tensor, text: list[int], generated: int) -> int:
         """The token after `text` (`generated` of it the completion's), scored if asked."""
-        token = sample(logits, self.params, self.generator, text, generated)
-        self._score(logits.reshape(1, -1), [token])
+        allowed = logits if self.grammar is None else self.grammar.mask(logits)
+        token = sample(allowed, self.params, self.generator, text, generated)
+        self._score(logits.reshape(1, -1), [token])  # the model's own distribution
+        if self.grammar is not None:
+            self.grammar.advance(token)
         return token
 
     def _verify(

@@ -46,6 +46,7 @@ class SafetensorsCheckpoint:
         self.folder = folder
         self.files = files  # tensor name -> file name in `folder`
         self._open: dict[str, Any] = {}
+        self.opened: set[str] = set()  # every file read from, released or not
 
     @classmethod
     def open(cls, folder: Path) -> SafetensorsCheckpoint:
@@ -62,6 +63,7 @@ class SafetensorsCheckpoint:
         file = self.files[name]
         if file not in self._open:
             self._open[file] = safe_open(str(self.folder / file), framework="pt")
+            self.opened.add(file)
         tensor: torch.Tensor = self._open[file].get_tensor(name)
         return tensor
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -21,6 +22,10 @@ class TextCodec(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def grammar_tokenizer(self) -> Any:
+        """The vocabulary as llguidance's `LLTokenizer`, for structured output (made once)."""
+        ...
+
 
 class HfCodec:
     """A transformers tokenizer and its chat template."""
@@ -29,6 +34,7 @@ class HfCodec:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+        self._grammar: Any = None
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's ids, with the beginning-of-text token where the model's
@@ -46,6 +52,18 @@ class HfCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def grammar_tokenizer(self) -> Any:
+        """From the fast tokenizer's own JSON (~0.6 s for the default model's, once)."""
+        if self._grammar is None:
+            import llguidance
+
+            backend = copy.copy(self.tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            eos = sorted(self.eos_token_ids)
+            self._grammar = llguidance.LLTokenizer(backend.to_str(), eos_token=eos[0])
+        return self._grammar
+
 
 class CharCodec:
     """The fake: one token per character (its code point); id 0 ends a sequence."""
@@ -61,3 +79,18 @@ class CharCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(chr(i) for i in ids if i > 0)
+
+    def grammar_tokenizer(self) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_AsciiVocabulary()))
+
+
+class _AsciiVocabulary:
+    """`CharCodec`'s 128 ids as llguidance sees a tokenizer: id i is the byte i, 0 ends."""
+
+    eos_token_id, bos_token_id = 0, None
+    tokens = [bytes([i]) for i in range(128)]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)

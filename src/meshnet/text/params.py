@@ -34,3 +34,4 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None  # report each token's log-probability and this many others
+    schema: str | None = None  # a JSON schema (as JSON text) the output must match
