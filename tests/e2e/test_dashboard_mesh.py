@@ -157,3 +157,26 @@ def gaps(page: Chrome) -> str | None:
 
 def count(page: Chrome, selector: str) -> int:
     return int(page.execute_script(f"return document.querySelectorAll('{selector}').length"))
+
+
+def test_the_dashboard_chat_streams_an_answer_with_speed_and_route(mesh: Mesh) -> None:
+    """Issue #25: ask from the page; the answer streams in, then the route and tokens/s."""
+    mesh.wait_whole()
+    with chromium() as page:
+        page.get(f"{mesh.url}/")
+        wait_for(lambda: count(page, "#chat-model option") > 0, 20, "the models in the chat box")
+        page.find_element("id", "chat-prompt").send_keys("What is the capital of France?")
+        page.find_element("id", "chat-send").click()
+        wait_for(
+            lambda: page.execute_script("return document.getElementById('chat').dataset.done"),
+            120,
+            "the answer",
+        )
+        answer, route, rate, stats = page.execute_script(
+            "const s = document.getElementById('chat-stats');"
+            "return [document.getElementById('chat-answer').textContent, s.dataset.route,"
+            " s.dataset.tokensPerS, s.textContent]"
+        )
+    assert answer == "The capital of France is Paris.", stats
+    assert route == "0:10,10:20,20:30" and float(rate) > 0
+    assert "tok/s" in stats and "route" in stats
