@@ -185,6 +185,47 @@ def test_openai_client_gets_json_matching_its_schema(mesh: Mesh) -> None:
     assert "Paris" in answer["capital"]
 
 
+def test_openai_client_round_trip_with_a_tool(mesh: Mesh) -> None:
+    """The default model calls the declared function (required), gets its result back as a
+    `tool` message and answers (issue #25)."""
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Today's weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        tools=[weather],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=40,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert "Paris" in json.loads(call.function.arguments)["city"]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    second = client.chat.completions.create(
+        model="default", messages=messages, tools=[weather], temperature=0, max_tokens=40
+    )
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+
+
 def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.url]

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Send
 
 from meshnet import __version__
-from meshnet.api import schemas
+from meshnet.api import schemas, tools
 from meshnet.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import MeshError, RequestError, UnknownModelError
@@ -121,7 +121,13 @@ def api_router(
         client = client_of(http.scope)
         limiter.admit(client)
         generator = generator_for(request.model)
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        plan = tools.plan(request.tools, request.tool_choice)
+        # a tool's answer is the user's turn for templates that know no `tool` role
+        messages = [
+            {"role": "user" if m.role == "tool" else m.role, "content": m.text()}
+            for m in request.messages
+        ]
+        messages = plan.messages(messages) if plan else messages
         check_chars(sum(len(m["content"]) for m in messages), limits, "messages")
         prompt = await asyncio.to_thread(generator.codec.chat, messages)  # off the loop
         check_prompt(prompt, limits, "messages")
@@ -129,8 +135,12 @@ def api_router(
         # a request that names no length gets the default, never more than the limit allows
         params = request.params(min(default_max_tokens, limits.max_tokens, room))
         check_max_tokens(params, limits, request.max_tokens_field())
+        if plan is not None:
+            params = tools.constrain(params, plan, request.response_format is not None)
         events = _limited(generator.stream(prompt, params), limiter, client)
         render = _chat_renderer(request.model, _token_text(generator, params))
+        if plan is not None:
+            return await _respond_calls(events, request, render, plan)
         return await _respond(events, request, render, "chat.completion", limits.write_timeout_s)
 
     @router.post("/v1/completions")
@@ -263,6 +273,27 @@ async def _respond(
     if choice.pop("delta", None) is not None:
         choice["message"] = {"role": "assistant", "content": text}
     return JSONResponse(body)
+
+
+async def _respond_calls(
+    events: AsyncGenerator[Event], request: schemas.Sampling, render: Render, plan: tools.ToolPlan
+) -> Response:
+    """An answer that may be a tool call: collected whole, then sent as one message or, when
+    streamed, as OpenAI's chunks (the call in one `tool_calls` delta)."""
+    text, end, scores = await _collect(await anext(events), events)
+    body = render(None, end, False, scores) | {"object": "chat.completion"}
+    choice, call = body["choices"][0], plan.call(text)
+    choice.pop("delta")
+    choice["message"] = {"role": "assistant", "content": None if call else text}
+    if call is not None:
+        choice["message"]["tool_calls"] = [call]
+        choice["finish_reason"] = "tool_calls"
+    if not request.stream:
+        return JSONResponse(body)
+    chunks = tools.as_chunks(body, render("", None, True, ()), request.include_usage())
+    return StreamingResponse(
+        iter([*(_data(c) for c in chunks), "data: [DONE]\n\n"]), media_type="text/event-stream"
+    )
 
 
 async def _collect(first: Event, events: AsyncGenerator[Event]) -> tuple[str, Finished, Scores]:

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from meshnet.api.tools import Tool, ToolCall, ToolChoice, message_text
 from meshnet.text.params import GenerationParams, SamplingParams
 
 MAX_STOPS = 4
@@ -37,14 +38,24 @@ class TextPart(Schema):
 
 
 class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(max_length=MAX_TEXT_CHARS)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     name: str | None = Field(default=None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=16)  # an assistant's
+    tool_call_id: str | None = Field(default=None, max_length=64)  # a tool's answer
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs content (an assistant's may be tool_calls)")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        """The content as plain text; a tool conversation's turns as `tools` writes them."""
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return message_text(self.role, content, self.tool_calls or [], self.tool_call_id)
 
 
 class StreamOptions(Schema):
@@ -125,6 +136,9 @@ class ChatCompletionRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=64)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; an answer makes at most one call
 
     @field_validator("top_logprobs")
     @classmethod

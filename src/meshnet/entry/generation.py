@@ -77,7 +77,7 @@ class Generator:
         """Text deltas, then one `Finished`; the session is closed on every hop at the end."""
         self.check(prompt, params)
         grammar = None
-        if params.schema is not None:  # a bad schema is a 400 here, before any work
+        if params.schema is not None or params.lark is not None:  # a bad one: 400, before work
             grammar = await asyncio.to_thread(self._grammar, params)
         started = time.perf_counter()
         session: PipelineSession | None = None
@@ -105,8 +105,10 @@ class Generator:
 
     def _grammar(self, params: GenerationParams) -> Grammar:
         """The request's structured-output constraint (its tokenizer is made once)."""
-        assert params.schema is not None  # checked by the caller
         tokenizer = self.codec.grammar_tokenizer()
+        if params.lark is not None:
+            return Grammar(tokenizer, None, "tools", lark=params.lark)
+        assert params.schema is not None  # checked by the caller
         return Grammar(tokenizer, json.loads(params.schema), "response_format")
 
     async def _generate(

@@ -9,7 +9,6 @@ model's 49,152 tokens (`benchmarks/grammar.py`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,44 +16,29 @@ import numpy as np
 import torch
 
 from meshnet.errors import RequestError
-
-MAX_SCHEMA_BYTES = 32_768  # a schema's JSON text, at most
-MAX_SCHEMA_DEPTH = 16  # nested objects/arrays in a schema, at most
-ANY_OBJECT: dict[str, Any] = {"type": "object"}  # `json_object`: any JSON object
-
-
-def check_schema(schema: Mapping[str, Any], field: str) -> str:
-    """The schema as JSON text; a 400 naming `field` when it is too large or too deep."""
-    text = json.dumps(schema)
-    if len(text) > MAX_SCHEMA_BYTES:
-        raise RequestError(
-            f"the JSON schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are taken",
-            field=field,
-        )
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise RequestError(
-            f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels", field=field
-        )
-    return text
-
-
-def _depth(value: object) -> int:
-    if isinstance(value, Mapping):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
+from meshnet.text.json_limits import check_schema
 
 
 class Grammar:
     """One generation's constraint: a JSON schema over `tokenizer` (an `LLTokenizer`)."""
 
-    def __init__(self, tokenizer: Any, schema: Mapping[str, Any], field: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        schema: Mapping[str, Any] | None,
+        field: str,
+        lark: str | None = None,
+    ) -> None:
+        """A JSON `schema`, or a grammar in llguidance's `lark` dialect (tools' "a call or
+        words"); a 400 naming `field` when it cannot be used."""
         import llguidance
 
-        text = check_schema(schema, field)
+        text = check_schema(schema or {}, field)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+            if lark is not None:
+                grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
         except (ValueError, RuntimeError) as exc:
             raise RequestError(f"the JSON schema is not usable: {exc}", field=field) from None
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)

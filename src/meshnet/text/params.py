@@ -35,3 +35,4 @@ class GenerationParams:
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None  # report each token's log-probability and this many others
     schema: str | None = None  # a JSON schema (as JSON text) the output must match
+    lark: str | None = None  # or a grammar in llguidance's lark dialect (tools, ADR-0044)
