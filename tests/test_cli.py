@@ -108,3 +108,14 @@ def test_q4_on_a_cuda_device_stops_before_loading(
     monkeypatch.setattr(node, "resolve_device", lambda device: "cuda:0")
     assert main(["node", "--quant", "q4", "--port", str(free_port())]) == 2
     assert "--quant q4 runs on CPU nodes only, not cuda:0" in capsys.readouterr().err
+
+
+def test_the_auto_encoding_threshold_reaches_the_wire_config() -> None:
+    from meshnet.assemble.node import node_service
+    from meshnet.config import AccessConfig
+
+    args = build_parser().parse_args(["node", "--auto-compress-below", "100"])
+    config = node_config(args)
+    assert config.auto_compress_below_mbit_s == 100.0
+    service = node_service(config, "n", AccessConfig())
+    assert service.wire.auto_compress_below_mbit_s == 100.0

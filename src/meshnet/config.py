@@ -72,6 +72,7 @@ class NodeConfig:
     entry: bool = True
     drain_timeout_s: float = 10.0  # on SIGTERM, calls in flight get this long to finish
     wire_encoding: str = "auto"  # frames this node sends: none | zstd | zstd-shuffle | auto
+    auto_compress_below_mbit_s: float = 600.0  # `auto` compresses over links slower than this
 
 
 @dataclass(frozen=True)

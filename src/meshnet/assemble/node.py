@@ -89,7 +89,10 @@ def node_service(
     return NodeService(
         [],
         WireLimits(),
-        WireConfig(encoding=config.wire_encoding),
+        WireConfig(
+            encoding=config.wire_encoding,
+            auto_compress_below_mbit_s=config.auto_compress_below_mbit_s,
+        ),
         config.max_sessions,
         metrics=metrics,
         turns=host_turns(config.host_turns, config.device),

@@ -185,7 +185,15 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "none", "zstd", "zstd-shuffle"],  # wire.compression.SENDER_CHOICES
         default=default.wire_encoding,
         help="how frames this process sends are encoded; auto compresses prefill chunks over "
-        "links measured slower than 600 Mbit/s (ADR-0037)",
+        "links measured slower than --auto-compress-below (ADR-0037)",
+    )
+    group.add_argument(
+        "--auto-compress-below",
+        type=float,
+        default=default.auto_compress_below_mbit_s,
+        metavar="MBIT_S",
+        help="auto encoding: the link rate in Mbit/s under which prefill chunks are "
+        "compressed (default %(default)s)",
     )
     group.add_argument(
         "--max-batch",
@@ -273,6 +281,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "host_turns": args.host_turns,
         "max_batch": args.max_batch,
         "wire_encoding": args.wire_encoding,
+        "auto_compress_below_mbit_s": args.auto_compress_below,
         "max_batch_tokens": args.max_batch_tokens,
         "batch_wait_s": args.batch_wait,
     }
