@@ -154,6 +154,14 @@ def bytes_sent(url: str) -> float:
     return sum(float(x.split()[-1]) for x in lines if x.startswith("meshnet_bytes_sent_total"))
 
 
+def slowest_link_mbit_s(url: str) -> float | None:
+    """The slowest link rate the process at `url` measured to its peers (ADR-0037), Mbit/s;
+    None before it measured one."""
+    lines = httpx.get(f"{url}/metrics", timeout=60).text.splitlines()
+    rates = [float(x.split()[-1]) for x in lines if x.startswith("meshnet_link_mbit_per_second{")]
+    return min(rates) if rates else None
+
+
 def traffic(url: str, nodes: list[str], prompts: dict[int, str], tokens: int) -> list[float]:
     """Bytes the entry at `url`, then all `nodes` together, send per decode token and per
     prompt of the longest length (entry's token, nodes' token, entry's prompt, nodes')."""
@@ -266,7 +274,8 @@ def main() -> None:
                     else:
                         warm_link(urls[mode], prompts[max(prompts)])
                         sent = traffic(urls[mode], nodes, prompts, tokens)
-                        print(encodings_line(mode, link, row, lengths, sent), flush=True)
+                        measured = slowest_link_mbit_s(urls[mode])
+                        print(encodings_line(mode, link, row, lengths, sent, measured), flush=True)
         if designs:
             link.delay_s, link.rate_bps = 0.0, None
             for mode, url in urls.items():
@@ -291,18 +300,23 @@ def encodings_head(lengths: list[int]) -> str:
     n = max(lengths)
     return (
         f"| entry encoding | one-way delay | link | decode ms/token | {heads} | entry sends a "
-        f"token | hops send a token | entry sends a {n}-token prompt | hops send it |\n"
-        + "|---|---:|---|---:|"
-        + "---:|" * (len(lengths) + 4)
+        f"token | hops send a token | entry sends a {n}-token prompt | hops send it | slowest "
+        "link the entry measured, Mbit/s |\n" + "|---|---:|---|---:|" + "---:|" * (len(lengths) + 5)
     )
 
 
 def encodings_line(
-    mode: str, link: Link, row: dict[str, float], lengths: list[int], sent: list[float]
+    mode: str,
+    link: Link,
+    row: dict[str, float],
+    lengths: list[int],
+    sent: list[float],
+    measured_mbit_s: float | None,
 ) -> str:
     rate = f"{link.rate_bps / 1e6:.0f} Mbit/s" if link.rate_bps else "unlimited"
     cells = [f"{row['decode_ms']:.1f}", *(f"{1000 * row[f'ttft_{n}']:.0f}" for n in lengths)]
     cells += [f"{b:,.0f}" for b in sent]
+    cells.append("-" if measured_mbit_s is None else f"{measured_mbit_s:.0f}")
     return f"| {mode} | {1000 * link.delay_s:.0f} ms | {rate} | " + " | ".join(cells) + " |"
 
 
