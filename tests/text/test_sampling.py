@@ -94,3 +94,26 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
     logits[7] = 0.5
     params = SamplingParams(temperature=1.0, top_p=top_p)
     assert sample(logits, params, torch.Generator().manual_seed(0)) == 7
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 60), st.floats(0.05, 1.0), st.floats(0.1, 3.0), st.integers(0, 2**31))
+def test_top_k_draws_among_the_k_best_with_the_full_vectors_probabilities(
+    top_k: int, top_p: float, temperature: float, seed: int
+) -> None:
+    """`sample` draws from the k best only (fast); the distribution is the one
+    `probabilities` gives over the whole vocabulary with the others masked."""
+    from dataclasses import replace
+
+    from meshnet.text.sampling import probabilities
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(seed))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    full = probabilities(logits, params)
+    values, ids = logits.topk(top_k)
+    compact = probabilities(values, replace(params, top_k=0))
+    assert full is not None and compact is not None
+    torch.testing.assert_close(full[ids], compact, rtol=1e-5, atol=1e-7)
+    assert float(full.sum() - full[ids].sum()) == pytest.approx(0.0, abs=1e-6)
+    drawn = {sample(logits, params, seeded_rng(s, 0)) for s in range(20)}
+    assert drawn <= set(ids[compact > 0].tolist())

@@ -10,6 +10,7 @@ module imports no torch: the logits bring it along.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from meshnet.text.events import TokenLogprob
@@ -54,12 +55,19 @@ def sample(
     generated: int = 0,
 ) -> int:
     """One token id from `logits` [V] (any float dtype) after `history`, whose last
-    `generated` tokens are the completion's (`penalize`)."""
+    `generated` tokens are the completion's (`penalize`).
+
+    With top-k, the draw is among the k best only (the same distribution as masking the rest
+    to -inf, ties at the k-th value aside): top-p then sorts k values, not the vocabulary
+    (3.6 -> ~0.5 ms a token over the default model's 49,152 ids here)."""
     scores = penalize(logits, params, history, generated)
+    ids = None
+    if 0 < params.top_k < scores.numel() and params.temperature > 0.0:
+        scores, ids = scores.topk(params.top_k)  # best first
+        params = replace(params, top_k=0)
     probs = probabilities(scores, params)
-    if probs is None:
-        return int(scores.argmax())
-    return int(probs.multinomial(1, generator=generator))
+    pick = int(scores.argmax()) if probs is None else int(probs.multinomial(1, generator=generator))
+    return pick if ids is None else int(ids[pick])
 
 
 def scored(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
