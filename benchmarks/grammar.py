@@ -23,10 +23,10 @@ import torch
 from meshnet.entry.generation import seeded_rng
 from meshnet.entry.grammar import Grammar
 from meshnet.text.codec import CharCodec, HfCodec
+from meshnet.text.json_limits import COMPACT
 from meshnet.text.params import SamplingParams
 from meshnet.text.sampling import sample
 
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
     "flat object": (
         {

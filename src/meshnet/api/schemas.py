@@ -20,11 +20,10 @@ from pydantic import (
 )
 
 from meshnet.api.tools import Tool, ToolCall, ToolChoice, message_text
+from meshnet.text.json_limits import COMPACT
 from meshnet.text.params import GenerationParams, SamplingParams
 
 MAX_STOPS = 4
-# llguidance's JSON without free whitespace: a small model cannot pad an answer with blanks
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 MAX_TEXT_CHARS = 1_000_000
 
 

@@ -14,11 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.errors import RequestError
-from meshnet.text.json_limits import check_schema
+from meshnet.text.json_limits import COMPACT, check_schema
 from meshnet.text.params import GenerationParams
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 PREAMBLE = (
     "You can call these functions. To call one, answer with only a JSON object "
     '{"name": <function name>, "arguments": <an object of its parameters>}; otherwise '

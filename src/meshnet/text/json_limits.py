@@ -11,6 +11,8 @@ from meshnet.errors import RequestError
 
 MAX_SCHEMA_BYTES = 32_768  # a schema's JSON text, at most
 MAX_SCHEMA_DEPTH = 16  # nested objects/arrays in a schema, at most
+# llguidance's JSON without free whitespace: a small model cannot pad an answer with blanks
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def check_schema(schema: Mapping[str, Any], field: str) -> str:
