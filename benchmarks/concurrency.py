@@ -133,6 +133,69 @@ def measure(url: str, levels: list[int], tokens: int, repeats: int) -> dict[int,
     return out
 
 
+LONG_PROMPT = " ".join(f"Write a long story about {topic}." for topic in TOPICS * 3)
+
+
+def choices_request(url: str, n: int, tokens: int) -> None:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+        "temperature": 0,
+        "max_tokens": tokens,
+        "n": n,
+    }
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    if answer.status_code != 200 or len(answer.json()["choices"]) != n:
+        raise RuntimeError(f"HTTP {answer.status_code}: {answer.text[:200]}")
+
+
+def received_bytes(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("meshnet_bytes_received_total"):
+                total += float(line.split()[-1])
+    return total
+
+
+def separately(url: str, n: int, tokens: int) -> None:
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        list(pool.map(lambda _: choices_request(url, 1, tokens), range(n)))
+
+
+def choices(url: str, n: int, tokens: int, repeats: int) -> dict[str, float]:
+    """Seconds and bytes received for one request with `n` and for `n` requests at once."""
+    nodes = httpx.get(f"{url}/v1/coverage", timeout=5).json()["nodes"]
+    hops = [node["address"] for node in nodes if node["node_id"] != "tracker"]
+    out: dict[str, list[float]] = {"one_s": [], "many_s": [], "one_b": [], "many_b": []}
+    for _ in range(repeats):
+        for key, send in (
+            ("one", lambda: choices_request(url, n, tokens)),
+            ("many", lambda: separately(url, n, tokens)),
+        ):
+            before, started = received_bytes(hops), time.perf_counter()
+            send()
+            out[f"{key}_s"].append(time.perf_counter() - started)
+            out[f"{key}_b"].append(received_bytes(hops) - before)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def choices_table(rows: dict[str, dict[int, dict[str, float]]]) -> str:
+    lines = [
+        "| setup | answers | one request with n: s | n requests: s | x | one request: MB "
+        "received | n requests: MB received |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, by_n in rows.items():
+        for n, r in by_n.items():
+            lines.append(
+                f"| {name} | {n} | {r['one_s']:.2f} | {r['many_s']:.2f} "
+                f"| {r['many_s'] / r['one_s']:.2f} | {r['one_b'] / 1e6:.2f} "
+                f"| {r['many_b'] / 1e6:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def table(rows: dict[str, dict[int, dict[str, float]]]) -> str:
     lines = [
         "| setup | at once | aggregate tok/s | x one | per request tok/s | TTFT p50 s "
@@ -159,18 +222,26 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--choices", nargs="*", type=int, default=[4], help="n per request")
     parser.add_argument("--extra", action="append", default=[], help="flags for every process")
     args = parser.parse_args()
     setups, quants, levels, tokens = args.setups, args.quants, args.levels, args.tokens
+    answers = args.choices
     if args.tiny:
-        setups, quants, levels, tokens = ["3hop"], ["fp32"], [1, 2], 8
+        setups, quants, levels, tokens, answers = ["3hop"], ["fp32"], [1, 2], 8, [2]
     rows: dict[str, dict[int, dict[str, float]]] = {}
+    shared: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="meshnet-concurrency-") as logs:
         for setup in setups:
             for quant in quants:
+                name = f"{setup} {quant}"
                 with mesh(setup, quant, args.extra, Path(logs)) as url:
-                    rows[f"{setup} {quant}"] = measure(url, levels, tokens, args.repeats)
+                    rows[name] = measure(url, levels, tokens, args.repeats)
+                    shared[name] = {n: choices(url, n, tokens, args.repeats) for n in answers}
     print(table(rows))
+    if answers:
+        print()
+        print(choices_table(shared))
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ def test_concurrency_benchmark_prints_a_row_per_level() -> None:
     rows = [
         line for line in run_tiny("concurrency.py", 400).splitlines() if "| 3hop fp32 |" in line
     ]
-    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
-    assert all(float(row.split("|")[3]) > 0 for row in rows)  # aggregate tokens/s
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "2"]
+    assert all(float(row.split("|")[3]) > 0 for row in rows)  # aggregate tokens/s; seconds
+    one_mb, many_mb = (float(cell) for cell in rows[2].split("|")[6:8])
+    assert one_mb < 0.75 * many_mb  # the prompt crossed the mesh once, not twice (ADR-0045)
 
 
 def test_attack_benchmark_prints_what_each_probe_got() -> None:

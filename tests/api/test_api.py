@@ -135,7 +135,8 @@ def test_chat_answer_carries_the_route(app: FastAPI) -> None:
         ("/v1/chat/completions", CHAT | {"model": "nope"}, 404, "model"),
         ("/v1/chat/completions", CHAT | {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", CHAT | {"temperature": 9}, 400, "temperature"),
-        ("/v1/chat/completions", CHAT | {"n": 2}, 400, "n"),
+        ("/v1/chat/completions", CHAT | {"n": 17}, 400, "n"),
+        ("/v1/completions", COMPLETION | {"n": 0}, 400, "n"),
         ("/v1/chat/completions", CHAT | {"max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", CHAT | {"max_tokens": 10**6}, 400, "max_tokens"),
         ("/v1/chat/completions", CHAT | {"presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -228,9 +229,9 @@ def test_every_field_the_api_doc_lists_as_refused_is_refused_by_name(
     app: FastAPI, path: str, base: dict[str, object]
 ) -> None:
     fields = refused_fields(path)
-    assert len(fields) >= (15 if "chat" in path else 4)
+    assert len(fields) >= (14 if "chat" in path else 4)
     for field in fields:
-        value: object = 2 if field == "n" else {"x": 1} if field != "logprobs" else True
+        value: object = {"x": 1} if field != "logprobs" else True
         response = post(app, path, base | {field: value})
         assert response.status_code == 400, field
         assert response.json()["error"]["param"].split(".")[0] == field
@@ -302,10 +303,12 @@ def test_response_format_json_schema_output_always_matches(app: FastAPI) -> None
         "max_tokens": 40,
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
     }
-    answer = post(app, "/v1/chat/completions", body).json()
-    person = json.loads(answer["choices"][0]["message"]["content"])
-    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
-    assert len(person["name"]) <= 6 and answer["choices"][0]["finish_reason"] == "stop"
+    answer = post(app, "/v1/chat/completions", body | {"n": 2, "temperature": 1}).json()
+    assert len(answer["choices"]) == 2  # each answer held to the schema by its own matcher
+    for choice in answer["choices"]:
+        person = json.loads(choice["message"]["content"])
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+        assert len(person["name"]) <= 6 and choice["finish_reason"] == "stop"
     # json_object: any object; the counting model opens a key and writes it to the length
     anything = CHAT | {"max_tokens": 8, "response_format": {"type": "json_object"}}
     choice = post(app, "/v1/chat/completions", anything).json()["choices"][0]
@@ -326,9 +329,64 @@ def test_response_format_json_schema_output_always_matches(app: FastAPI) -> None
     ],
     ids=["not a schema", "too deep", "no schema", "schema without its type", "unknown type"],
 )
+@pytest.mark.parametrize("n", [1, 3])
 def test_a_bad_response_format_is_refused_before_any_token(
-    app: FastAPI, response_format: dict[str, object]
+    app: FastAPI, response_format: dict[str, object], n: int
 ) -> None:
-    response = post(app, "/v1/chat/completions", CHAT | {"response_format": response_format})
+    body = CHAT | {"response_format": response_format, "n": n}
+    response = post(app, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith("response_format")
+
+
+def test_several_answers_with_the_openai_client(app: FastAPI) -> None:
+    """`n` (ADR-0045): every choice answered, usage counting the prompt once."""
+    answer = run(
+        client(app).chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=0,
+            n=3,
+            max_tokens=4,
+        )
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert {c.message.content for c in answer.choices} == {'!"#$'}
+    assert answer.usage is not None and answer.usage.completion_tokens == 12
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 12
+    sampled = run(
+        client(app).completions.create(
+            model="fake", prompt="abc", n=2, max_tokens=3, seed=3, logprobs=1
+        )
+    )
+    assert [c.index for c in sampled.choices] == [0, 1]
+    for choice in sampled.choices:
+        assert choice.logprobs is not None and choice.logprobs.text_offset[0] == 0
+        assert len(choice.logprobs.tokens or []) == 3
+
+
+def test_several_answers_stream_as_chunks_of_one_choice_each(app: FastAPI) -> None:
+    async def go() -> list[openai.types.chat.ChatCompletionChunk]:
+        stream = await client(app).chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=0,
+            max_tokens=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = run(go())
+    per_choice: dict[int, str] = {}
+    finished: list[int] = []
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        per_choice[choice.index] = per_choice.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finished.append(choice.index)
+    assert per_choice == {0: '!"#', 1: '!"#'}
+    assert sorted(finished) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6

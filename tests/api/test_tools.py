@@ -106,6 +106,7 @@ def test_a_tool_conversation_round_trip_is_accepted(app: FastAPI) -> None:
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "tools"),
+        ({"n": 2}, "n"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages"),
     ],
 )

@@ -120,6 +120,34 @@ def test_parallel_requests_equal_the_same_requests_one_by_one(mesh: Mesh) -> Non
     assert batched_steps(mesh.url) > before  # the entry ran decode steps of several at once
 
 
+def test_openai_client_gets_several_answers_from_one_prefill(mesh: Mesh) -> None:
+    """`n` (issue #25, ADR-0045): greedy answers all equal the single one, and the hops
+    receive the prompt once (bytes received, every plain node together)."""
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def received(n: int) -> tuple[list[str | None], float]:
+        before = sum(bytes_received(address) for address in mesh.addresses.values())
+        chat = client.chat.completions.create(
+            model="default", messages=question, temperature=0, n=n
+        )
+        after = sum(bytes_received(address) for address in mesh.addresses.values())
+        return [c.message.content for c in chat.choices], after - before
+
+    one, one_bytes = received(1)
+    three, three_bytes = received(3)
+    assert one == ["The capital of France is Paris."] and three == one * 3
+    assert three_bytes < 1.8 * one_bytes  # three prefills would be about 3x
+    assert all(mesh.sessions(name) == 0 for name in mesh.addresses)
+
+
+def bytes_received(url: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    return sum(
+        float(line.split()[-1]) for line in lines if line.startswith("meshnet_bytes_received_total")
+    )
+
+
 def batched_steps(url: str) -> float:
     """Decode passes of a process that held more than one session (`/metrics`)."""
     lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
@@ -269,11 +297,16 @@ def test_a_node_started_as_entry_answers_through_the_same_mesh(mesh: Mesh) -> No
         raw = client.chat.completions.with_raw_response.create(
             model="default", messages=messages, temperature=0
         )
+        # its hops push (ADR-0034): forked answers' first frames go on hop to hop too
+        several = client.chat.completions.create(
+            model="default", messages=messages, temperature=0, n=2
+        )
     answer = raw.http_response.json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
     route = answer["meshnet"]["route"]
     assert [h["span"] for h in route] == ["0:10", "10:20", "20:30"]
     assert route[0]["address"] == "local"  # its own span, in its own process
+    assert [c.message.content for c in several.choices] == ["The capital of France is Paris."] * 2
 
 
 def test_a_client_leaving_mid_stream_frees_its_session_on_every_hop(mesh: Mesh) -> None:

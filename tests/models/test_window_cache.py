@@ -76,5 +76,5 @@ def test_a_rollback_within_the_margin_replays_exactly_and_a_deeper_one_is_refuse
     again = feed(shard, cache, x[:, 400 - REWIND_TOKENS :], 400 - REWIND_TOKENS)
     # other chunk boundaries than the first pass
     assert_within_one_bf16_step(again, first[:, 400 - REWIND_TOKENS :])
-    with pytest.raises(ModelError, match="cannot roll this session back"):
+    with pytest.raises(ModelError, match="cannot take this session back"):
         truncate(cache, 400 - REWIND_TOKENS - WINDOW - 1)

@@ -9,33 +9,27 @@ HTTP errors in OpenAI's shape; an error after streaming began is sent as a final
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Message, Send
+from starlette.responses import Response
 
 from meshnet import __version__
 from meshnet.api import schemas, tools
-from meshnet.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from meshnet.api.answers import chat_renderer, respond, respond_calls, text_renderer
+from meshnet.api.logprobs import TokenText
 from meshnet.config import AccessConfig, ApiLimits
-from meshnet.errors import MeshError, RequestError, UnknownModelError
+from meshnet.errors import RequestError, UnknownModelError
 from meshnet.http_errors import install_error_handlers
 from meshnet.security.access import Credentials, Guard, Rule, client_of, rule
 from meshnet.security.limits import ClientLimiter
 from meshnet.text.codec import TextCodec
-from meshnet.text.events import Delta, Event, Finished, TokenLogprob
+from meshnet.text.events import Event
 from meshnet.text.params import GenerationParams
 
 log = logging.getLogger(__name__)
-Scores = tuple[TokenLogprob, ...]
-# (text, end, first chunk, the tokens' scores) -> the answer or chunk
-Render = Callable[[str | None, Finished | None, bool, Scores], dict[str, Any]]
 Elsewhere = Callable[[Request], Awaitable[Response]]  # answers a call for a model not served here
 
 
@@ -138,10 +132,10 @@ def api_router(
         if plan is not None:
             params = tools.constrain(params, plan, request.response_format is not None)
         events = _limited(generator.stream(prompt, params), limiter, client)
-        render = _chat_renderer(request.model, _token_text(generator, params))
+        render = chat_renderer(request.model, _token_text(generator, params))
         if plan is not None:
-            return await _respond_calls(events, request, render, plan)
-        return await _respond(events, request, render, "chat.completion", limits.write_timeout_s)
+            return await respond_calls(events, request, render, plan)
+        return await respond(events, request, render, "chat.completion", limits.write_timeout_s)
 
     @router.post("/v1/completions")
     async def completions(request: schemas.CompletionRequest, http: Request) -> Response:
@@ -157,8 +151,8 @@ def api_router(
         check_max_tokens(request.params(), limits, "max_tokens")
         params = request.params()
         events = _limited(generator.stream(prompt, params), limiter, client)
-        render = _text_renderer(request.model, _token_text(generator, params))
-        return await _respond(events, request, render, "text_completion", limits.write_timeout_s)
+        render = text_renderer(request.model, _token_text(generator, params))
+        return await respond(events, request, render, "text_completion", limits.write_timeout_s)
 
     return router
 
@@ -227,169 +221,3 @@ async def _limited(
     finally:
         await events.aclose()
         limiter.release(client)
-
-
-class DeadlineStream(StreamingResponse):
-    """A streamed answer whose every write must go out within `write_timeout_s`: a client
-    that stops reading (its socket buffers full) is cut off, and closing the stream closes
-    the session on every hop (review finding 9)."""
-
-    def __init__(self, content: AsyncIterator[str], write_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.write_timeout_s = write_timeout_s
-
-    async def stream_response(self, send: Send) -> None:
-        async def timed(message: Message) -> None:
-            async with asyncio.timeout(self.write_timeout_s):
-                await send(message)
-
-        try:
-            await super().stream_response(timed)
-        except TimeoutError:
-            log.warning(
-                "a client read nothing for %.0f s: its stream is ended", self.write_timeout_s
-            )
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _respond(
-    events: AsyncGenerator[Event],
-    request: schemas.Sampling,
-    render: Render,
-    kind: str,
-    write_timeout_s: float,
-) -> Response:
-    try:
-        first = await anext(events)  # errors before the first token become HTTP errors
-    except BaseException:
-        await events.aclose()
-        raise
-    if request.stream:
-        sse = _sse(first, events, render, request.include_usage())
-        return DeadlineStream(sse, write_timeout_s, media_type="text/event-stream")
-    text, end, scores = await _collect(first, events)
-    body = render(text, end, False, scores) | {"object": kind}
-    choice = body["choices"][0]
-    if choice.pop("delta", None) is not None:
-        choice["message"] = {"role": "assistant", "content": text}
-    return JSONResponse(body)
-
-
-async def _respond_calls(
-    events: AsyncGenerator[Event], request: schemas.Sampling, render: Render, plan: tools.ToolPlan
-) -> Response:
-    """An answer that may be a tool call: collected whole, then sent as one message or, when
-    streamed, as OpenAI's chunks (the call in one `tool_calls` delta)."""
-    text, end, scores = await _collect(await anext(events), events)
-    body = render(None, end, False, scores) | {"object": "chat.completion"}
-    choice, call = body["choices"][0], plan.call(text)
-    choice.pop("delta")
-    choice["message"] = {"role": "assistant", "content": None if call else text}
-    if call is not None:
-        choice["message"]["tool_calls"] = [call]
-        choice["finish_reason"] = "tool_calls"
-    if not request.stream:
-        return JSONResponse(body)
-    chunks = tools.as_chunks(body, render("", None, True, ()), request.include_usage())
-    return StreamingResponse(
-        iter([*(_data(c) for c in chunks), "data: [DONE]\n\n"]), media_type="text/event-stream"
-    )
-
-
-async def _collect(first: Event, events: AsyncGenerator[Event]) -> tuple[str, Finished, Scores]:
-    parts: list[str] = []
-    scores: list[TokenLogprob] = []
-    event = first
-    try:
-        while isinstance(event, Delta):
-            parts.append(event.text)
-            scores.extend(event.logprobs)
-            event = await anext(events)
-    finally:
-        await events.aclose()
-    return "".join(parts), event, tuple(scores)
-
-
-async def _sse(
-    first: Event, events: AsyncGenerator[Event], render: Render, include_usage: bool
-) -> AsyncIterator[str]:
-    try:
-        yield _data(render("", None, True, ()))
-        event = first
-        while isinstance(event, Delta):
-            yield _data(render(event.text, None, False, event.logprobs))
-            event = await anext(events)
-        yield _data(render(None, event, False, ()))
-        if include_usage:
-            usage = render(None, event, False, ())
-            yield _data({k: v for k, v in usage.items() if k != "meshnet"} | {"choices": []})
-    except MeshError as exc:
-        log.warning("stream ended by an error: %s", exc.message)
-        yield _data(exc.to_json())
-    finally:
-        await events.aclose()  # closes the session on every hop, also when the client left
-    yield "data: [DONE]\n\n"
-
-
-def _data(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def _chat_renderer(model: str, token_text: TokenText | None) -> Render:
-    base = _base(model, "chatcmpl", "chat.completion.chunk")
-
-    def render(
-        text: str | None, end: Finished | None, first: bool, scores: Scores
-    ) -> dict[str, Any]:
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
-        choice["logprobs"] = None  # OpenAI's when none were asked, or none in this chunk
-        if token_text is not None and scores:
-            choice["logprobs"] = chat_logprobs(scores, token_text)
-        return _finish(base(), choice, end)
-
-    return render
-
-
-def _text_renderer(model: str, token_text: TokenText | None) -> Render:
-    base = _base(model, "cmpl", "text_completion")
-    lists = CompletionLogprobs(token_text) if token_text is not None else None
-
-    def render(
-        text: str | None, end: Finished | None, first: bool, scores: Scores
-    ) -> dict[str, Any]:
-        logprobs = lists.block(scores) if lists is not None and scores else None
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs}
-        return _finish(base(), choice | {"finish_reason": None}, end)
-
-    return render
-
-
-def _base(model: str, prefix: str, kind: str) -> Callable[[], dict[str, Any]]:
-    request_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-    return lambda: {"id": request_id, "object": kind, "created": created, "model": model}
-
-
-def _finish(body: dict[str, Any], choice: dict[str, Any], end: Finished | None) -> dict[str, Any]:
-    body["choices"] = [choice]
-    if end is not None:
-        choice["finish_reason"] = end.reason
-        body["usage"] = {
-            "prompt_tokens": end.prompt_tokens,
-            "completion_tokens": end.completion_tokens,
-            "total_tokens": end.prompt_tokens + end.completion_tokens,
-        }
-        body["meshnet"] = {
-            "route": [
-                {"node_id": h.node_id, "address": h.address, "span": str(h.span)} for h in end.route
-            ],
-            "time_to_first_token_s": round(end.first_token_s, 4),
-            "decode_tokens_per_s": round(end.decode_tokens_per_s, 2),
-            "failover_pauses_s": [round(p, 4) for p in end.failover_pauses_s],
-            "draft_tokens": end.drafted_tokens,
-            "accepted_draft_tokens": end.accepted_tokens,
-            "decode_rounds": end.decode_rounds,
-        }
-    return body

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, as declared pydantic models.
 
 Fields follow OpenAI's API reference; `top_k` and `repetition_penalty` are extensions.
-Fields meshnet does not implement are either refused with a clear 400 (`n` > 1) or, when
-unknown, refused by `extra="forbid"` (`docs/api.md` lists them).
+Fields meshnet does not implement are refused with a clear 400: declared ones by their
+bounds, unknown ones by `extra="forbid"` (`docs/api.md` lists them).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from meshnet.text.json_limits import COMPACT
 from meshnet.text.params import GenerationParams, SamplingParams
 
 MAX_STOPS = 4
+MAX_CHOICES = 16  # `n` at most: each answer holds a session (a KV cache) on every hop
 MAX_TEXT_CHARS = 1_000_000
 
 
@@ -103,7 +104,7 @@ class Sampling(Schema):
     ) = Field(default=None, max_length=200)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # answers sharing one prefill (ADR-0045)
     user: str | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -153,7 +154,7 @@ class ChatCompletionRequest(Sampling):
         limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
         scored = (self.top_logprobs or 0) if self.logprobs else None
         schema = self.response_format.schema_text() if self.response_format else None
-        return GenerationParams(limit, self.stops(), self.sampling(), scored, schema)
+        return GenerationParams(limit, self.stops(), self.sampling(), scored, schema, n=self.n)
 
 
 class CompletionRequest(Sampling):
@@ -167,4 +168,6 @@ class CompletionRequest(Sampling):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def params(self) -> GenerationParams:
-        return GenerationParams(self.max_tokens, self.stops(), self.sampling(), self.logprobs)
+        return GenerationParams(
+            self.max_tokens, self.stops(), self.sampling(), self.logprobs, n=self.n
+        )

@@ -159,6 +159,8 @@ def constrain(params: GenerationParams, plan: ToolPlan, formatted: bool) -> Gene
     """`params` held to the plan's grammar; a 400 when `response_format` also asks for one."""
     if formatted and params.schema is not None:
         raise RequestError("tools and a JSON response_format cannot be combined", field="tools")
+    if params.n > 1:  # an answer that may be a call is collected whole, one per request
+        raise RequestError("n > 1 cannot be combined with tools: ask for one answer", field="n")
     schema, lark = plan.grammar()
     return replace(params, schema=schema, lark=lark)
 

@@ -14,7 +14,8 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Callable
-from functools import partial
+from contextlib import aclosing
+from dataclasses import replace
 
 import torch
 
@@ -33,6 +34,7 @@ from meshnet.text.params import GenerationParams
 from meshnet.tracker import messages as msg
 
 log = logging.getLogger(__name__)
+MERGE_BACKLOG = 64  # events an answer may run ahead of a reader of several answers
 
 
 class Generator:
@@ -74,34 +76,43 @@ class Generator:
             )
 
     async def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
-        """Text deltas, then one `Finished`; the session is closed on every hop at the end."""
+        """Text deltas, then one `Finished`, for each of the `params.n` answers (events of
+        several answers interleave, each naming its `index`); every session is closed on
+        every hop at the end."""
         self.check(prompt, params)
-        grammar = None
+        grammars: list[Grammar | None] = [None] * params.n
         if params.schema is not None or params.lark is not None:  # a bad one: 400, before work
-            grammar = await asyncio.to_thread(self._grammar, params)
+            grammars = [await asyncio.to_thread(self._grammar, params) for _ in grammars]
         started = time.perf_counter()
-        session: PipelineSession | None = None
-        end: Finished | None = None
+        sessions: list[PipelineSession] = []  # the prompt's, then its forks
+        ends: list[Finished] = []
         error = "the client went away"
         try:
-            session = await self.pipeline.open()
-            current_session.set(session.id)  # every later line of this request names it
-            route = ", ".join(str(h) for h in session.hops) or "no remote hops"
+            sessions.append(await self.pipeline.open())
+            current_session.set(sessions[0].id)  # every later line of this request names it
+            route = ", ".join(str(h) for h in sessions[0].hops) or "no remote hops"
             log.info("%d prompt tokens; route %s", len(prompt), route)
-            async for event in self._generate(session, prompt, params, started, grammar):
-                end = event if isinstance(event, Finished) else None
-                yield event
+            # closed before the sessions are: no answer may still be feeding them
+            generating = self._generate(sessions, prompt, params, started, grammars)
+            async with aclosing(generating) as events:
+                async for event in events:
+                    if isinstance(event, Finished):
+                        ends.append(event)
+                    yield event
         except Exception as exc:  # recorded for the dashboard, then raised on unchanged
             error = getattr(exc, "message", None) or repr(exc)
             raise
         finally:
-            if session is not None:
+            for session in sessions:
                 self.drafter.forget(session.id)
-                # Shielded: a client that went away cancels this task, and Starlette's
-                # (anyio's) cancellation would otherwise hit every await of the clean-up too.
-                await asyncio.shield(self.pipeline.close(session))
+            # Shielded: a client that went away cancels this task, and Starlette's
+            # (anyio's) cancellation would otherwise hit every await of the clean-up too.
+            await asyncio.shield(asyncio.gather(*(self.pipeline.close(s) for s in sessions)))
+            if sessions:
                 log.info("closed")
-            self._report(session, len(prompt), end, error, time.perf_counter() - started)
+            end = together(ends) if len(ends) == params.n else None
+            first = sessions[0] if sessions else None
+            self._report(first, len(prompt), end, error, time.perf_counter() - started)
 
     def _grammar(self, params: GenerationParams) -> Grammar:
         """The request's structured-output constraint (its tokenizer is made once)."""
@@ -113,26 +124,68 @@ class Generator:
 
     async def _generate(
         self,
-        session: PipelineSession,
+        sessions: list[PipelineSession],
         prompt: list[int],
         params: GenerationParams,
         started: float,
-        grammar: Grammar | None = None,
+        grammars: list[Grammar | None],
     ) -> AsyncGenerator[Event]:
-        state = Decoding()
-        generator = seeded_rng(params.sampling.seed, self.rng.getrandbits(63))
-        rounds = Rounds(
+        """The prompt once through the mesh; each answer's first token from its logits; then
+        the answers decode side by side, each in its own session (a fork of the prompt's,
+        appended to `sessions`)."""
+        seed = params.sampling.seed
+        generators = [
+            seeded_rng(choice_seed(seed, i), self.rng.getrandbits(63)) for i in range(params.n)
+        ]
+        rounds = [
+            self._rounds(params, grammar, len(prompt), generator)
+            for grammar, generator in zip(grammars, generators, strict=True)
+        ]
+
+        def pick(logits: torch.Tensor) -> list[int]:  # compute thread: [V] -> a token each
+            return [r.pick(logits, prompt, 0) for r in rounds]
+
+        firsts = await self.pipeline.feed(sessions[0], prompt, pick)
+        sessions.extend(self.pipeline.fork(sessions[0]) for _ in firsts[1:])
+        answers = [
+            self._answer(session, r, first, len(prompt), params, started, index)
+            for index, (session, r, first) in enumerate(zip(sessions, rounds, firsts, strict=True))
+        ]
+        async with aclosing(answers[0] if len(answers) == 1 else merged(answers)) as events:
+            async for event in events:
+                yield event
+
+    def _rounds(
+        self,
+        params: GenerationParams,
+        grammar: Grammar | None,
+        prompt_tokens: int,
+        generator: torch.Generator,
+    ) -> Rounds:
+        return Rounds(
             self.pipeline,
             params.sampling,
             generator,
             self.max_drafts,
             self.drafter,
-            len(prompt),
+            prompt_tokens,
             params.logprobs,
             grammar=grammar,
         )
-        pick = partial(rounds.pick, text=prompt, generated=0)
-        fresh = [await self.pipeline.feed(session, prompt, pick)]  # sampled on the compute thread
+
+    async def _answer(
+        self,
+        session: PipelineSession,
+        rounds: Rounds,
+        first: int,
+        prompt_tokens: int,
+        params: GenerationParams,
+        started: float,
+        index: int,
+    ) -> AsyncGenerator[Event]:
+        """One answer: its tokens from `first` (sampled, not yet fed) on, until it ends."""
+        state = Decoding()
+        fresh = [first]
         tokens = self.metrics.tokens_generated.labels(self.model)
         while state.reason is None:
             for token in fresh:  # a round gives one token, or several verified drafts
@@ -143,7 +196,7 @@ class Generator:
                 score = rounds.scores.pop(0) if rounds.scores else None
                 scores = (score,) if score is not None and not ending else ()
                 if delta or scores:
-                    yield Delta(delta, scores)
+                    yield Delta(delta, scores, index)
                 if state.reason is not None:
                     break
             else:
@@ -154,7 +207,7 @@ class Generator:
         self.metrics.accepted_tokens.labels(self.model).inc(rounds.accepted)
         yield Finished(
             state.reason,
-            len(prompt),
+            prompt_tokens,
             len(state.generated),
             [self.pipeline.entry_hop, *session.hops],
             state.first_s,
@@ -164,6 +217,7 @@ class Generator:
             rounds.drafted,
             rounds.accepted,
             rounds.rounds,
+            index,
         )
 
     def _report(
@@ -199,3 +253,50 @@ def seeded_rng(seed: int | None, fallback: int) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else fallback)
     return generator
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Answer `index`'s seed: the request's for the first, the next ones for the others (a
+    seeded request with n > 1 gives the same n answers every time, and they differ)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % 2**63
+
+
+def together(ends: list[Finished]) -> Finished:
+    """The request's summary of its answers' ends: the first's, with every completion token."""
+    total = sum(end.completion_tokens for end in ends)
+    return replace(min(ends, key=lambda end: end.index), completion_tokens=total)
+
+
+async def merged(streams: list[AsyncGenerator[Event]]) -> AsyncGenerator[Event]:
+    """The events of `streams` as they come; the first error ends them all. Each stream runs
+    in its own task, at most `MERGE_BACKLOG` events ahead of the reader."""
+    queue: asyncio.Queue[Event | Exception | None] = asyncio.Queue(MERGE_BACKLOG)
+
+    async def pump(stream: AsyncGenerator[Event]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(event)
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+        else:
+            await queue.put(None)
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -133,6 +133,14 @@ class Pipeline:
             raise
         return PipelineSession(session, hops)
 
+    def fork(self, parent: PipelineSession) -> PipelineSession:
+        """A new session continuing `parent`'s tokens (fed, none pending): its first frame
+        makes every cache, the entry's own included, a copy of `parent`'s (ADR-0045). Counts
+        against the session limit like `open`."""
+        child = SessionId(f"s-{uuid.uuid4().hex}")
+        self.executor.admit_session(child)
+        return parent.fork(child)
+
     async def _route(self, start: int) -> list[Hop]:
         """A route from `start` without banned nodes, and without slow ones when there is
         one without them."""
@@ -160,6 +168,7 @@ class Pipeline:
         """
         pipelined = bool(session.hops) and self.pipelined_prefill
         pipelined = pipelined and len(ids) > self.wire.chunk_tokens  # a prompt of many chunks
+        new = session.position == 0 or session.forking is not None
         out: Any  # hidden [1, T, H], or what `pick` made of the logits
         try:
             if pipelined:  # the entry's span and the hops at once (ADR-0036)
@@ -169,7 +178,7 @@ class Pipeline:
                     session, ids, session.position, None if session.hops else pick, rows
                 )
         finally:
-            if session.position == 0:  # the first call: its cache holds its place from now
+            if new:  # the first call: its cache holds its place from now
                 self.executor.admitted(session.id)
         if not session.hops:
             self._fed(session, ids)
@@ -211,6 +220,7 @@ class Pipeline:
         session.history.extend(ids)
         session.fresh.clear()  # replacements take part in the next chunk sequence from its start
         session.rewinding = False  # every cache dropped the rejected drafts with these frames
+        session.forking = None  # and every cache is a fork now
 
     def _run_local_many(self, items: list[LocalStep]) -> list[Any]:
         """Compute thread: `_run_local` for each item, many sessions in one pass: the
@@ -238,7 +248,16 @@ class Pipeline:
 
     def _frame(self, session: PipelineSession, ids: list[int], position: int) -> Frame:
         """The entry's own frame for `ids` at `position`: [1, T, H] embedded."""
-        meta = FrameMeta(session.id, self.model, self.local.span, position, 0, 1, session.rewinding)
+        meta = FrameMeta(
+            session.id,
+            self.model,
+            self.local.span,
+            position,
+            0,
+            1,
+            session.rewinding,
+            session.forking,
+        )
         return meta, self.head.embed_tokens(torch.tensor([ids]), position)
 
     def _run_local(
@@ -267,6 +286,7 @@ class Pipeline:
                 piece.index,
                 piece.total,
                 rewind,
+                session.forking,
             )
             outputs.append(self.local.forward(meta, piece.hidden))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -313,7 +333,14 @@ class Pipeline:
         hop = session.hops[k]
         index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
         meta = FrameMeta(
-            session.id, self.model, hop.span, chunk.position, index, total, session.rewinding
+            session.id,
+            self.model,
+            hop.span,
+            chunk.position,
+            index,
+            total,
+            session.rewinding,
+            session.forking,
         )
         if self.checker.bans.has(hop.node_id):
             raise banned(hop)
@@ -339,6 +366,7 @@ class Pipeline:
                 index,
                 total,
                 session.rewinding,
+                session.forking,
             )
             try:
                 for hop in session.hops:

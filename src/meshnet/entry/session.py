@@ -28,9 +28,27 @@ class PipelineSession:
     replay_bytes: int = 0  # bytes held in `inputs`
     replayable: bool = True  # False once `inputs` outgrew the budget: no failover then
     rewinding: bool = False  # the caches hold rejected drafts: the next frames drop them
+    # a fork not yet fed: its first frames tell every cache to start as a copy of this
+    # session's (ADR-0045)
+    forking: SessionId | None = None
 
     def __post_init__(self) -> None:
         self.inputs = self.inputs or [[] for _ in self.hops]
+
+    def fork(self, child: SessionId) -> PipelineSession:
+        """A session `child` that continues this one's tokens so far on the same route (its
+        replay inputs shared: failover rebuilds it without the parent)."""
+        return PipelineSession(
+            child,
+            list(self.hops),
+            list(self.history),
+            self.position,
+            [list(pieces) for pieces in self.inputs],
+            set(self.banned),
+            replay_bytes=self.replay_bytes,
+            replayable=self.replayable,
+            forking=self.id,
+        )
 
     def record(self, k: int, hidden: torch.Tensor, max_bytes: int) -> None:
         """Keep what hop `k` was sent, for replay, while the session stays within

@@ -58,6 +58,13 @@ class StaticKV:
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
 
+    def copy(self, length: int) -> StaticKV:
+        """Another cache holding this one's first `length` tokens (in its own storage)."""
+        other = object.__new__(StaticKV)
+        other.keys, other.values = self.keys.clone(), self.values.clone()
+        other.length = min(length, self.length)
+        return other
+
     def token_bytes(self) -> int:
         """Bytes one token takes in every layer (keys and values)."""
         per_layer = self.keys[:, :, :, 0].numel() * self.keys.element_size()
@@ -116,14 +123,27 @@ class EagerKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
+    def copy(self, length: int) -> EagerKV:
+        """Another cache holding this one's first `length` tokens (see `crop`)."""
+        self._reachable(length)
+        other = EagerKV()
+        other.windows, other.starts = list(self.windows), list(self.starts)
+        kept = [length - start for start in self.starts]  # tokens of each layer
+        other.keys = [k[:, :, :n].clone() for k, n in zip(self.keys, kept, strict=True)]
+        other.values = [v[:, :, :n].clone() for v, n in zip(self.values, kept, strict=True)]
+        return other
+
+    def _reachable(self, length: int) -> None:
+        if any(length < start for start in self.starts):
+            raise ModelError(
+                f"cannot take this session back to {length} tokens: a sliding-window layer "
+                f"keeps tokens from {max(self.starts)} on"
+            )
+
     def crop(self, length: int) -> None:
         """Keep the first `length` tokens of every layer; ModelError when a sliding layer
         already dropped some of them (a rollback deeper than `REWIND_TOKENS`)."""
-        if any(length < start for start in self.starts):
-            raise ModelError(
-                f"cannot roll this session back to {length} tokens: a sliding-window layer "
-                f"keeps tokens from {max(self.starts)} on"
-            )
+        self._reachable(length)
         self.keys = [k[:, :, : length - s] for k, s in zip(self.keys, self.starts, strict=True)]
         self.values = [v[:, :, : length - s] for v, s in zip(self.values, self.starts, strict=True)]
 
@@ -159,6 +179,14 @@ def cache_bytes(cache: SpanCache) -> int:
     if cache.static is not None:
         return cache.static.length * cache.static.token_bytes()
     return cache.eager.nbytes() if cache.eager is not None else 0
+
+
+def copy(cache: SpanCache, length: int) -> SpanCache:
+    """A new session's cache holding `cache`'s first `length` tokens (a fork, ADR-0045)."""
+    other = SpanCache()
+    other.static = cache.static.copy(length) if cache.static is not None else None
+    other.eager = cache.eager.copy(length) if cache.eager is not None else None
+    return other
 
 
 def truncate(cache: SpanCache, length: int) -> None:

@@ -171,7 +171,7 @@ class NodeService:
 
     async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         runner = self.shards.get(meta.model, meta.span)
-        if meta.position == 0:
+        if meta.position == 0 or meta.fork is not None:  # a new session, unless replayed
             self.admit_session(meta.session)
         try:
             return await self.run_frame(runner, meta, hidden)

@@ -8,11 +8,12 @@ from typing import Protocol
 
 import torch
 
-from meshnet.errors import SessionError
+from meshnet.errors import SessionError, SessionNotFoundError
 from meshnet.node.scheduler import Failed
 from meshnet.node.sessions import rewinds
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
+from meshnet.wire import headers as h
 
 Frame = tuple[FrameMeta, torch.Tensor]  # a decoded frame: its metadata, hidden [B, T, H]
 
@@ -57,7 +58,7 @@ class EchoRunner:
         self._sessions: OrderedDict[SessionId, tuple[int, ChunkState | None]] = OrderedDict()
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        length, chunks = self._sessions.get(meta.session, (0, None))
+        length, chunks = self._sessions.get(meta.session) or self._start(meta)
         if length and rewinds(meta, length):
             length = meta.position  # rejected drafts dropped (ADR-0038)
         if meta.position != length:
@@ -72,6 +73,17 @@ class EchoRunner:
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
         return hidden
+
+    def _start(self, meta: FrameMeta) -> tuple[int, ChunkState | None]:
+        """A new session: empty, or a fork of a session it holds (ADR-0045)."""
+        if meta.fork is None:
+            return 0, None
+        parent = self._sessions.get(meta.fork)
+        if parent is None or parent[0] < meta.position:
+            raise SessionNotFoundError(
+                f"cannot fork session {meta.fork} at {meta.position}", field=h.FORK
+            )
+        return meta.position, None
 
     def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
         return one_by_one(self.forward, frames)

@@ -18,7 +18,7 @@ from typing import Any
 from meshnet.errors import LimitError, SessionError, SessionNotFoundError
 from meshnet.types import SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
-from meshnet.wire.headers import MAX_REWIND_TOKENS
+from meshnet.wire.headers import FORK, MAX_REWIND_TOKENS
 
 
 @dataclass
@@ -95,12 +95,15 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         bytes_per_token: int = 0,
         truncate: Callable[[Any, int], None] = lambda cache, length: None,
+        copy: Callable[[Any, int], Any] | None = None,
     ) -> None:
         """`bytes_per_token`: what a token's cache is expected to cost before any is measured
         (0 left the first session's reservation unchecked: review finding 10); `truncate`
-        drops a cache's tokens past a length (rewinds, ADR-0038)."""
+        drops a cache's tokens past a length (rewinds, ADR-0038); `copy` makes a new cache of
+        a cache's first tokens (forks, ADR-0045; None: this store refuses forks)."""
         self.new_cache = new_cache
         self.truncate = truncate
+        self.copy = copy
         self.measure = measure  # bytes held by a cache
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
@@ -126,29 +129,57 @@ class SessionStore:
         """
         self.expire()
         session = self._sessions.get(meta.session)
+        forked = None
         if session is None:
-            if meta.position != 0:
-                raise SessionNotFoundError(
-                    f"session {meta.session} is unknown here (never started, expired or "
-                    f"evicted); re-send its tokens from position 0",
-                    field="X-Meshnet-Session",
-                )
-            session = Session(self.new_cache())
+            forked = self._parent(meta)
+            if forked is None:
+                session = Session(self.new_cache())
+            else:  # its cache is copied once room is made for it
+                session = Session(None, meta.position, batch=forked[1].batch)
+                keep = keep | {forked[0]}
         elif meta.position != session.length and not rewinds(meta, session.length):
-            problem = "gap" if meta.position > session.length else "overlap"
+            problem = "leave a gap" if meta.position > session.length else "overlap it"
             raise SessionError(
                 f"session {meta.session} holds {session.length} tokens; a call at position "
-                f"{meta.position} would leave a {problem}"
+                f"{meta.position} would {problem}"
                 + (f" (a rewind drops at most {MAX_REWIND_TOKENS})" if meta.rewind else ""),
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
         kept = min(meta.position, session.length)
         self._reserve(meta.session, session, tokens - (session.length - kept), keep, pending_bytes)
+        if forked is not None and self.copy is not None:  # room made: now the copy
+            session.cache = self.copy(forked[1].cache, meta.position)
         if kept < session.length:  # the frame is taken: the rejected drafts go now (ADR-0038)
             self.truncate(session.cache, kept)
             session.length = kept
         return session, chunks
+
+    def _parent(self, meta: FrameMeta) -> tuple[SessionId, Session] | None:
+        """The session a new one forks from, with its id (None: it starts empty, at
+        position 0), or the reason it cannot start here."""
+        if meta.fork is None:
+            if meta.position != 0:
+                raise SessionNotFoundError(
+                    f"session {meta.session} is unknown here (never started, expired or "
+                    f"evicted); re-send its tokens from position 0",
+                    field="X-Meshnet-Session",
+                )
+            return None
+        parent = self._sessions.get(meta.fork)
+        if parent is None or self.copy is None:
+            raise SessionNotFoundError(
+                f"session {meta.fork} to fork from is unknown here (never started, expired "
+                f"or evicted); re-send session {meta.session}'s tokens from position 0",
+                field=FORK,
+            )
+        if meta.position > parent.length:
+            raise SessionError(
+                f"session {meta.fork} holds {parent.length} tokens; a fork cannot start at "
+                f"position {meta.position}",
+                field=FORK,
+            )
+        return meta.fork, parent
 
     def _reserve(
         self,

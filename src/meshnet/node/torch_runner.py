@@ -7,7 +7,7 @@ from collections.abc import Set as AbstractSet
 import torch
 
 from meshnet.errors import ComputeError, SessionError, WireError
-from meshnet.models.cache import cache_bytes, new_cache, truncate
+from meshnet.models.cache import cache_bytes, copy, new_cache, truncate
 from meshnet.models.shard import Shard
 from meshnet.node.runner import Frame, one_by_one
 from meshnet.node.scheduler import Failed
@@ -50,6 +50,7 @@ class TorchShardRunner:
             evict_idle_s=evict_idle_s,
             bytes_per_token=expected_cache_bytes(shard),
             truncate=truncate,
+            copy=copy,
         )
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ class TokenLogprob:
 class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens decided at this step, when asked
+    index: int = 0  # the answer (choice) it belongs to, when a request asked for several
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Finished:
     drafted_tokens: int = 0  # draft tokens sent for verification (ADR-0038)
     accepted_tokens: int = 0  # of those, the ones that stood
     decode_rounds: int = 0  # trips through the mesh after the prompt's
+    index: int = 0  # the answer (choice) it ends
 
     @property
     def decode_tokens_per_s(self) -> float:

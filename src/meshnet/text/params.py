@@ -36,3 +36,4 @@ class GenerationParams:
     logprobs: int | None = None  # report each token's log-probability and this many others
     schema: str | None = None  # a JSON schema (as JSON text) the output must match
     lark: str | None = None  # or a grammar in llguidance's lark dialect (tools, ADR-0044)
+    n: int = 1  # answers to the prompt, sharing its prefill (ADR-0045)

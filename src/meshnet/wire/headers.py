@@ -26,6 +26,7 @@ LAYERS = "X-Meshnet-Layers"
 POSITION = "X-Meshnet-Position"
 HOLD = "X-Meshnet-Hold-Ms"  # answers: ms the receiver held the frame (ADR-0037)
 REWIND = "X-Meshnet-Rewind"  # "1": drop the cache past the position first (ADR-0038)
+FORK = "X-Meshnet-Fork"  # a new session starts as a copy of this one's first tokens (ADR-0045)
 CONTENT_TYPE = "Content-Type"
 OCTET_STREAM = "application/octet-stream"
 
@@ -47,10 +48,18 @@ class FrameMeta:
     # the session's cache may hold tokens past `position` (rejected draft tokens): drop them
     # first; at most MAX_REWIND_TOKENS of them (ADR-0038)
     rewind: bool = False
+    # a session new to the receiver starts as a copy of this session's first `position`
+    # tokens (one prompt, several answers: ADR-0045); ignored by a receiver that has it
+    fork: SessionId | None = None
 
     def __post_init__(self) -> None:
         if not is_valid_id(self.session):
             raise WireError(f"invalid session id {self.session!r}", field=SESSION)
+        if self.fork is not None and (not is_valid_id(self.fork) or self.fork == self.session):
+            raise WireError(
+                f"invalid session id to fork from {self.fork!r} (another session's id)",
+                field=FORK,
+            )
         if not is_valid_id(self.model):
             raise WireError(f"invalid model id {self.model!r}", field=MODEL)
         if self.position < 0:
@@ -70,7 +79,11 @@ class FrameMeta:
             CHUNK_INDEX: str(self.chunk_index),
             CHUNK_TOTAL: str(self.chunk_total),
         }
-        return headers | {REWIND: "1"} if self.rewind else headers
+        if self.rewind:
+            headers[REWIND] = "1"
+        if self.fork is not None:
+            headers[FORK] = self.fork
+        return headers
 
 
 def lower_keys(headers: Mapping[str, str]) -> dict[str, str]:
@@ -92,6 +105,7 @@ _LOWER = {
         LAYERS,
         POSITION,
         REWIND,
+        FORK,
     )
 }
 
@@ -147,6 +161,7 @@ def parse_meta(headers: Mapping[str, str]) -> FrameMeta:
         chunk_index=parse_int(require(headers, CHUNK_INDEX), CHUNK_INDEX),
         chunk_total=parse_int(require(headers, CHUNK_TOTAL), CHUNK_TOTAL, minimum=1),
         rewind=parse_rewind(headers.get(_LOWER[REWIND])),
+        fork=parse_fork(headers.get(_LOWER[FORK])),
     )
 
 
@@ -157,3 +172,8 @@ def parse_rewind(value: str | None) -> bool:
     if value.strip() != "1":
         raise WireError(f"{REWIND} must be 1 when present, got {value[:20]!r}", field=REWIND)
     return True
+
+
+def parse_fork(value: str | None) -> SessionId | None:
+    """`X-Meshnet-Fork`: absent, or a session id (checked by `FrameMeta`)."""
+    return None if value is None else SessionId(value.strip())
