@@ -252,6 +252,21 @@ def test_openai_client_round_trip_with_a_tool(mesh: Mesh) -> None:
         model="default", messages=messages, tools=[weather], temperature=0, max_tokens=40
     )
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    streamed = client.chat.completions.create(
+        model="default",
+        messages=messages[:1],
+        tools=[weather],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+    )
+    pieces = [
+        c for chunk in streamed if chunk.choices for c in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert len(pieces) > 2 and pieces[0].function and pieces[0].function.name == "get_weather"
+    arguments = "".join(p.function.arguments or "" for p in pieces if p.function)
+    assert json.loads(arguments) == json.loads(call.function.arguments)  # as it was written
 
 
 def test_generate_command_streams_to_stdout(mesh: Mesh) -> None:

@@ -81,24 +81,35 @@ async def respond(
 
 
 async def respond_calls(
-    events: AsyncGenerator[Event], request: schemas.Sampling, render: Render, plan: tools.ToolPlan
+    events: AsyncGenerator[Event],
+    request: schemas.Sampling,
+    render: Render,
+    plan: tools.ToolPlan,
+    write_timeout_s: float,
 ) -> Response:
-    """An answer that may be a tool call: collected whole, then sent as one message or, when
-    streamed, as OpenAI's chunks (the call in one `tool_calls` delta)."""
-    [(text, end, scores)] = await collect(await anext(events), events)
-    body = render(0, None, end, False, scores) | {"object": "chat.completion"}
-    choice, call = body["choices"][0], plan.call(text)
-    choice.pop("delta")
-    choice["message"] = {"role": "assistant", "content": None if call else text}
-    if call is not None:
-        choice["message"]["tool_calls"] = [call]
-        choice["finish_reason"] = "tool_calls"
-    if not request.stream:
-        return JSONResponse(body)
-    chunks = tools.as_chunks(body, render(0, "", None, True, ()), request.include_usage())
-    return StreamingResponse(
-        iter([*(_data(c) for c in chunks), "data: [DONE]\n\n"]), media_type="text/event-stream"
-    )
+    """Answers that may be tool calls (ADR-0044): a call in OpenAI's `tool_calls` shape with
+    `finish_reason: "tool_calls"`; streamed, a call's arguments as they are written."""
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    if request.stream:
+        calls = [tools.CallStream(plan) for _ in range(request.n)]
+        sse = _sse(first, events, render, request.n, request.include_usage(), calls)
+        return DeadlineStream(sse, write_timeout_s, media_type="text/event-stream")
+    answers = await collect(first, events)
+    choices = []
+    for index, (text, end, scores) in enumerate(answers):
+        choice, call = render(index, None, end, False, scores)["choices"][0], plan.call(text)
+        choice.pop("delta")
+        choice["message"] = {"role": "assistant", "content": None if call else text}
+        if call is not None:
+            choice["message"]["tool_calls"] = [call]
+            choice["finish_reason"] = "tool_calls"
+        choices.append(choice)
+    body = render(0, None, answers[0][1], False, ()) | {"object": "chat.completion"}
+    return JSONResponse(body | {"choices": choices, "usage": usage([e for _, e, _ in answers])})
 
 
 Answer = tuple[str, Finished, Scores]  # an answer's text, its end and its tokens' scores
@@ -134,19 +145,35 @@ def usage(ends: list[Finished]) -> dict[str, int]:
 
 
 async def _sse(
-    first: Event, events: AsyncGenerator[Event], render: Render, n: int, include_usage: bool
+    first: Event,
+    events: AsyncGenerator[Event],
+    render: Render,
+    n: int,
+    include_usage: bool,
+    calls: list[tools.CallStream] | None = None,
 ) -> AsyncIterator[str]:
+    """OpenAI's chunks: each answer's role, its text (with `calls`, what each answer's
+    `CallStream` makes of it), its finish; then the usage, when asked, and `[DONE]`."""
     ends: list[Finished] = []
     try:
         for index in range(n):
             yield _data(render(index, "", None, True, ()))
         event: Event | None = first
         while event is not None:
-            if isinstance(event, Delta):
+            if isinstance(event, Delta) and calls is None:
                 yield _data(render(event.index, event.text, None, False, event.logprobs))
-            else:
+            elif isinstance(event, Delta) and calls is not None:
+                for delta in calls[event.index].feed(event.text):
+                    yield _data(_with_delta(render, event.index, delta))
+            elif isinstance(event, Finished):
                 ends.append(event)
-                yield _data(render(event.index, None, event, False, ()))
+                deltas, called = calls[event.index].finish() if calls else ([], False)
+                for delta in deltas:
+                    yield _data(_with_delta(render, event.index, delta))
+                final = render(event.index, None, event, False, ())
+                if called:
+                    final["choices"][0]["finish_reason"] = "tool_calls"
+                yield _data(final)
             event = await anext(events, None)
         if include_usage:
             last = render(0, None, ends[0], False, ())
@@ -158,6 +185,13 @@ async def _sse(
     finally:
         await events.aclose()  # closes the session on every hop, also when the client left
     yield "data: [DONE]\n\n"
+
+
+def _with_delta(render: Render, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of answer `index` carrying `delta` (a tool call's piece, or words)."""
+    body = render(index, None, None, False, ())
+    body["choices"][0]["delta"] = delta
+    return body
 
 
 def _data(body: dict[str, Any]) -> str:

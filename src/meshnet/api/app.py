@@ -134,7 +134,7 @@ def api_router(
         events = _limited(generator.stream(prompt, params), limiter, client)
         render = chat_renderer(request.model, _token_text(generator, params))
         if plan is not None:
-            return await respond_calls(events, request, render, plan)
+            return await respond_calls(events, request, render, plan, limits.write_timeout_s)
         return await respond(events, request, render, "chat.completion", limits.write_timeout_s)
 
     @router.post("/v1/completions")

@@ -6,9 +6,10 @@ shape (ADR-0044)."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -159,33 +160,64 @@ def constrain(params: GenerationParams, plan: ToolPlan, formatted: bool) -> Gene
     """`params` held to the plan's grammar; a 400 when `response_format` also asks for one."""
     if formatted and params.schema is not None:
         raise RequestError("tools and a JSON response_format cannot be combined", field="tools")
-    if params.n > 1:  # an answer that may be a call is collected whole, one per request
-        raise RequestError("n > 1 cannot be combined with tools: ask for one answer", field="n")
     schema, lark = plan.grammar()
     return replace(params, schema=schema, lark=lark)
 
 
-def as_chunks(
-    body: dict[str, Any], opening: dict[str, Any], include_usage: bool
-) -> list[dict[str, Any]]:
-    """A whole chat answer (`body`) as OpenAI's stream: the role chunk, the content or the
-    call (with its index), the finish with usage, and the usage-only chunk when asked."""
-    choice = body["choices"][0]
-    message = choice["message"]
-    delta: dict[str, Any] = {"content": message["content"]}
-    if message.get("tool_calls"):
-        delta = {"tool_calls": [{"index": 0, **c} for c in message["tool_calls"]]}
-    kind = {"object": "chat.completion.chunk"}
-    middle = {**opening, **kind, "choices": [{**opening["choices"][0], "delta": delta}]}
-    final_choice = {
-        "index": 0,
-        "delta": {},
-        "logprobs": None,
-        "finish_reason": choice["finish_reason"],
-    }
-    final = {**body, **kind, "choices": [final_choice]}
-    chunks = [opening, middle, final]
-    if include_usage:
-        usage = {k: v for k, v in final.items() if k != "meshnet"}
-        chunks.append(usage | {"choices": []})
-    return chunks
+# how a call starts: the grammar's JSON is compact, its properties in the schema's order
+CALL_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+
+
+@dataclass
+class CallStream:
+    """One answer of a request with tools, as OpenAI's stream deltas while it is written:
+    words stream as `content`; a call opens with its id and name as soon as its head is
+    written, then streams its arguments as they grow (the closing brace of the call held
+    back). A call whose head was never recognized comes whole at the end."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # characters streamed: of the words, or of the call's arguments
+    head: int | None = None  # where the arguments start, once the head is written
+    call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def calling(self) -> bool | None:
+        """Whether the answer is a call (None: nothing written yet)."""
+        if not self.text:
+            return None
+        return not self.plan.optional or self.text.startswith("{")
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        """The deltas `piece` (the answer's next text) gives."""
+        self.text += piece
+        if not self.calling:
+            return self._words() if self.calling is False else []
+        if self.head is None:
+            match = CALL_HEAD.match(self.text)
+            if match is None:
+                return []
+            self.head = match.end()
+            function = {"name": match.group(1), "arguments": ""}
+            opened = {"index": 0, "id": self.call_id, "type": "function", "function": function}
+            return [{"tool_calls": [opened]}, *self._arguments(self.head, hold=1)]
+        return self._arguments(self.head, hold=1)
+
+    def finish(self) -> tuple[list[dict[str, Any]], bool]:
+        """The last deltas, and whether the answer was a call of an allowed function."""
+        call = self.plan.call(self.text) if self.calling else None
+        if self.head is not None:  # the call streamed: its rest, without the closing brace
+            return self._arguments(self.head, hold=1 if call else 0), call is not None
+        if call is not None:
+            return [{"tool_calls": [{"index": 0, **call, "id": self.call_id}]}], True
+        return self._words(), False
+
+    def _words(self) -> list[dict[str, Any]]:
+        piece, self.sent = self.text[self.sent :], len(self.text)
+        return [{"content": piece}] if piece else []
+
+    def _arguments(self, head: int, hold: int) -> list[dict[str, Any]]:
+        """The call's arguments written since the last delta, but the last `hold` characters."""
+        arguments = self.text[head : len(self.text) - hold]
+        piece, self.sent = arguments[self.sent :], max(self.sent, len(arguments))
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}] if piece else []
