@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshnet.models import products
-from meshnet.models.products import DEQUANT_ROWS, Int8Rows
+from meshnet.models.products import DEQUANT_ROWS, DEQUANT_ROWS_FP32, Int8Rows
 
 requires_kernel = pytest.mark.skipif(
     not products.int8_kernel_runs(torch.device("cpu")), reason="no weight-only int8 kernel"
@@ -28,10 +28,18 @@ def reference(product: Int8Rows, x: torch.Tensor) -> torch.Tensor:
 
 
 @requires_kernel
-@pytest.mark.parametrize("rows", [1, DEQUANT_ROWS - 1, DEQUANT_ROWS, 128])
-def test_both_int8_paths_equal_the_dequantized_product_within_bf16_rounding(rows: int) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "rows"),
+    [(torch.bfloat16, r) for r in (1, DEQUANT_ROWS - 1, DEQUANT_ROWS, 128)]
+    + [(torch.float32, r) for r in (1, DEQUANT_ROWS, DEQUANT_ROWS_FP32 - 1, DEQUANT_ROWS_FP32)],
+)
+def test_both_int8_paths_equal_the_dequantized_product_within_bf16_rounding(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """bf16 activations (hosts with fast bf16) widen from DEQUANT_ROWS rows on, fp32 ones
+    (hosts without) from DEQUANT_ROWS_FP32, in fp32."""
     product = int8_rows(96, 64)
-    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = product(x)
     assert out.shape == (1, rows, 96) and out.dtype == x.dtype
     ref = reference(product, x)
@@ -40,9 +48,17 @@ def test_both_int8_paths_equal_the_dequantized_product_within_bf16_rounding(rows
 
 
 @requires_kernel
-def test_widening_in_blocks_gives_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "rows"), [(torch.bfloat16, DEQUANT_ROWS), (torch.float32, DEQUANT_ROWS_FP32)]
+)
+def test_widening_in_blocks_gives_the_same_numbers(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int
+) -> None:
     product = int8_rows(100, 64)
-    x = torch.randn(DEQUANT_ROWS, 64, dtype=torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=dtype)
     whole = product(x)
-    monkeypatch.setattr(products, "BLOCK_ELEMENTS", 64 * 30)  # 30 rows a block: 4 blocks
-    assert torch.equal(product(x), whole)
+    widened: list[torch.dtype] = []
+    monkeypatch.setattr(products, "BLOCK_ELEMENTS", 64 * 30)  # 30 bf16 rows a block: 4 blocks
+    monkeypatch.setattr(products.F, "linear", lambda a, w: widened.append(w.dtype) or a @ w.T)
+    assert torch.allclose(product(x), whole, rtol=1e-2, atol=1e-2)
+    assert widened == [dtype] * (4 if dtype == torch.bfloat16 else 7)  # 15 fp32 rows a block

@@ -15,6 +15,12 @@ That kernel's time grows linearly with the rows M (measured here, 3072x576: 88 u
 1.3 ms at 32, 4.2 ms at 128), so from `DEQUANT_ROWS` rows on (prefill chunks, wide batches)
 the rows are widened to bf16 in blocks and multiplied densely, with the scales applied to the
 output columns: 0.75 ms at 128 rows, same weights, one more bf16 rounding (ADR-0027).
+
+Where bf16 products are slow (no AVX-512 BF16: such hosts compute in fp32, so the
+activations come as fp32) widening to bf16 costs more than the kernel at every M (2-core AMD
+EPYC, AVX2: 7.9 ms against 1.36 ms at 32 rows); fp32 activations are widened to fp32 instead,
+and only from `DEQUANT_ROWS_FP32` rows on (there, 4.8 ms against 5.4 ms at 128 rows; 3.0
+against 2.7 at 64). The kernel itself always takes bf16 activations (fp32 ones run ~9x slower).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from meshnet.models.int4 import Int4Linear
 
 log = logging.getLogger(__name__)
 INT8_MAX = 127.0
-DEQUANT_ROWS = 32  # from this many activation rows on, widen the weights (crossover ~24-32)
+DEQUANT_ROWS = 32  # from this many bf16 activation rows on, widen the weights (crossover ~24-32)
+DEQUANT_ROWS_FP32 = 96  # and from this many fp32 ones (crossover ~96-128, AVX2)
 BLOCK_ELEMENTS = 1 << 23  # weights widened at a time: 16 MiB of bf16, whatever the layer
 
 
@@ -64,24 +71,30 @@ class Int8Rows:
         self.out_features = int(rows.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
-        if flat.shape[0] >= DEQUANT_ROWS:
-            out = self._widened(flat)
+        flat = x.reshape(-1, x.shape[-1])  # [M, K]
+        wide = torch.float32 if flat.dtype == torch.float32 else torch.bfloat16
+        if flat.shape[0] >= (DEQUANT_ROWS_FP32 if wide == torch.float32 else DEQUANT_ROWS):
+            out = self._widened(flat.to(wide))
         else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.rows, self.scales)
+            out = torch.ops.aten._weight_int8pack_mm(
+                flat.to(torch.bfloat16), self.rows, self.scales
+            )
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)  # [..., N]
         return out if self.bias is None else out + self.bias
 
     def _widened(self, flat: torch.Tensor) -> torch.Tensor:
-        """[M, K] @ (rows as bf16).T * scales, BLOCK_ELEMENTS weights at a time -> [M, N]."""
-        block = max(1, BLOCK_ELEMENTS // int(self.rows.shape[1]))
+        """[M, K] @ (rows in flat's dtype).T * scales, BLOCK_ELEMENTS weights at a time ->
+        [M, N] in flat's dtype."""
+        # 16 MiB of widened weights at a time, whatever the layer and dtype
+        block = max(1, BLOCK_ELEMENTS * 2 // (flat.element_size() * int(self.rows.shape[1])))
+        scales = self.scales.to(flat.dtype)
         if block >= self.out_features:
-            return F.linear(flat, self.rows.to(torch.bfloat16)) * self.scales
+            return F.linear(flat, self.rows.to(flat.dtype)) * scales
         out = flat.new_empty(flat.shape[0], self.out_features)
         for start in range(0, self.out_features, block):
             stop = min(start + block, self.out_features)
-            part = F.linear(flat, self.rows[start:stop].to(torch.bfloat16))
-            torch.mul(part, self.scales[start:stop], out=out[:, start:stop])
+            part = F.linear(flat, self.rows[start:stop].to(flat.dtype))
+            torch.mul(part, scales[start:stop], out=out[:, start:stop])
         return out
 
 
