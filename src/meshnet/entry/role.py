@@ -14,6 +14,8 @@ import math
 import random
 from dataclasses import dataclass
 
+import torch
+
 from meshnet.config import EntryConfig, NodeConfig
 from meshnet.entry.drafter import Drafter, LookupDrafter, ModelDrafter
 from meshnet.entry.generation import Generator
@@ -25,7 +27,9 @@ from meshnet.errors import ConfigError, ModelError
 from meshnet.models import sizing
 from meshnet.models.device import resolve_device
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
+from meshnet.models.products import int8_kernel_runs
 from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
+from meshnet.models.shard import Shard
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
 from meshnet.node.runner import ShardRunner
@@ -62,7 +66,7 @@ def entry_span(config: NodeConfig) -> LayerSpan:
     device = resolve_device(config.device)
     quant = config.quant or default_quant(device)
     usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
-    usable -= sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    usable -= sizing.entry_head_bytes(spec, quant)
     count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant, device), usable)
     if count < 1:
         raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
@@ -76,7 +80,7 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     device = resolve_device(config.device)
     quant = config.quant or default_quant(device)
     span_bytes = len(span) * local_layer_bytes(spec, quant, device)
-    head = sizing.head_bytes(spec, 4 if quant == "fp32" else 2)
+    head = sizing.entry_head_bytes(spec, quant)
     needed = math.ceil((span_bytes + head) / (1 - config.kv_reserve_fraction)) + 1
     if config.budget_bytes is None:
         return needed
@@ -88,11 +92,19 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     return config.budget_bytes
 
 
+def int8_head(shard: Shard) -> bool:
+    """Whether an entry beside `shard` multiplies by an int8 LM head (ADR-0046): int8 weights
+    on a device with the weight-only int8 kernel."""
+    return shard.quant == "int8" and int8_kernel_runs(torch.device(shard.device))
+
+
 def load_entry_model(config: NodeConfig, model_id: str, source: str, span: LayerSpan) -> EntryModel:
     """Layers `span` (from 0) of `source`, its head and its tokenizer."""
     runner = load_runner(config, model_id, source, span)
     resolved = resolve(source)
     head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
+    if int8_head(runner.shard):
+        head.quantize_lm_head(runner.shard.compute_dtype)
     codec = HfCodec(load_tokenizer(resolved))
     log.info("entry for %s: layers %s and the head loaded", model_id, span)
     spec = resolved.spec

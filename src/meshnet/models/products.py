@@ -98,6 +98,14 @@ class Int8Rows:
         return out
 
 
+def int8_rows_of(weight: torch.Tensor) -> Int8Rows:
+    """A dense weight [N, K] as weight-only int8 rows: each row scaled by its absolute maximum
+    (bitsandbytes' row-wise rounding)."""
+    absmax = weight.float().abs().amax(dim=1).clamp(min=1e-12)  # [N]
+    rows = (weight.float() * (INT8_MAX / absmax[:, None])).round().clamp(-127, 127)
+    return Int8Rows(rows.to(torch.int8), absmax, bias=None)
+
+
 def int8_kernel_runs(device: torch.device) -> bool:
     """Whether this PyTorch build has the weight-only int8 kernel on `device`."""
     try:

@@ -92,7 +92,9 @@ def local_layer_bytes(spec: ModelSpec, quant: Quant, device: str = "cpu") -> int
 
 def head_dtype(quant: str) -> torch.dtype:
     """The entry's head (embeddings, LM head): fp32 beside fp32 layers, else bf16, as
-    `sizing.head_bytes` counts it. An fp32 LM head costs a decode step 9.5 ms here, bf16 3.2."""
+    `sizing.entry_head_bytes` counts it (int8 entries also multiply by int8 rows of the LM
+    head, ADR-0046). An fp32 LM head costs a decode step 9.5 ms on an AVX-512 BF16 host,
+    bf16 3.2."""
     return torch.float32 if quant == "fp32" else torch.bfloat16
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from meshnet.models.device import to_host
+from meshnet.models.products import Int8Rows, int8_rows_of
 from meshnet.models.registry import Architecture
 from meshnet.types import LayerSpan
 
@@ -113,6 +114,19 @@ class Head(nn.Module):
         self.pos_embed = pos_embed
         self.norm = norm
         self.lm_head = lm_head
+        # int8 entries multiply by int8 rows of the LM head (`quantize_lm_head`), feeding
+        # them activations in this dtype (their compute dtype)
+        self.int8_head: Int8Rows | None = None
+        self.int8_dtype = torch.float32
+
+    def quantize_lm_head(self, compute: torch.dtype) -> None:
+        """Multiply by int8 rows of the LM head from now on (ADR-0046): a decode step's head
+        product reads half the bytes of bf16, and batches of rows stay cheap on CPUs without
+        fast bf16. An untied LM head's dense weight is let go."""
+        self.int8_head = int8_rows_of(self.lm_head.weight.data)
+        self.int8_dtype = compute
+        if self.lm_head.weight is not self.embed.weight:
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.data[:0], requires_grad=False)
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
@@ -129,8 +143,10 @@ class Head(nn.Module):
         """Hidden states [B, T, H] (any float dtype, any device) -> logits [B, T, V] in
         float32, in host memory (samplers run there)."""
         weight = self.lm_head.weight
-        x = hidden.to(device=weight.device, dtype=weight.dtype)
-        logits: torch.Tensor = self.lm_head(self.norm(x))
+        x = self.norm(hidden.to(device=weight.device, dtype=weight.dtype))
+        if self.int8_head is not None:
+            return to_host(self.int8_head(x.to(self.int8_dtype)).float())
+        logits: torch.Tensor = self.lm_head(x)
         return to_host(logits.float())
 
 

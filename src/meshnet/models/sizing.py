@@ -49,10 +49,20 @@ def layer_bytes(
     return int(total)
 
 
-def head_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
-    """Bytes of the entry node's head: embeddings, final norm, LM head (unless tied)."""
-    matrices = 1 if spec.tie_word_embeddings else 2
-    return (matrices * spec.vocab_size + 1) * spec.hidden_size * dtype_bytes
+def head_bytes(spec: ModelSpec, dtype_bytes: int, int8_lm_head: bool = False) -> int:
+    """Bytes of the entry node's head: embeddings, final norm, LM head (unless tied); with
+    `int8_lm_head`, the LM head as int8 rows and a bf16 scale per row instead (ADR-0046)."""
+    table = spec.vocab_size * spec.hidden_size
+    embeddings = (table + spec.hidden_size) * dtype_bytes  # with the final norm
+    if int8_lm_head:
+        return embeddings + table + 2 * spec.vocab_size
+    return embeddings + (0 if spec.tie_word_embeddings else table * dtype_bytes)
+
+
+def entry_head_bytes(spec: ModelSpec, quant: str) -> int:
+    """`head_bytes` of an entry beside layers at `quant` (`quantize.head_dtype`; int8 entries
+    multiply by an int8 LM head)."""
+    return head_bytes(spec, 4 if quant == "fp32" else 2, int8_lm_head=quant == "int8")
 
 
 def layers_that_fit(spec: ModelSpec, per_layer_bytes: int, budget_bytes: int) -> int:

@@ -6,7 +6,7 @@ import logging
 import time
 
 from meshnet.config import TrackerConfig
-from meshnet.models.sizing import head_bytes, layer_bytes
+from meshnet.models.sizing import entry_head_bytes, layer_bytes
 from meshnet.models.source import resolve, source_kind
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import Registry
@@ -24,7 +24,7 @@ def offer(name: str) -> ModelOffer:
         ModelId(model_id),
         spec.num_layers,
         {q: layer_bytes(spec, q) for q in QUANTS},
-        {q: head_bytes(spec, 4 if q == "fp32" else 2) for q in QUANTS},  # `head_dtype`
+        {q: entry_head_bytes(spec, q) for q in QUANTS},
     )
 
 
