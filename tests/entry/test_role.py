@@ -3,17 +3,20 @@ holds, as spans come and go (the node app in-process; no tracker is reached)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from starlette.testclient import TestClient
 
 from meshnet.assemble.node import build_app
-from meshnet.config import NodeConfig
+from meshnet.config import NodeConfig, TrackerConfig
 from meshnet.entry.role import EntryModel
 from meshnet.node.runner import EchoRunner
 from meshnet.text.codec import CharCodec
 from meshnet.types import LayerSpan
+from tests.e2e.procs import free_port
 from tests.entry.fakes import MODEL, CountingHead
 
 MB = 1 << 20
@@ -61,3 +64,30 @@ def test_a_node_that_may_not_be_an_entry_has_no_api(tmp_path: Path) -> None:
         build_app(replace(node_config(tmp_path), entry=False)), client=("127.0.0.1", 1)
     )
     assert client.get("/v1/models").status_code in (401, 404)  # members only, and nothing there
+
+
+def test_spans_given_by_hand_load_on_the_compute_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled decode step is built for the thread count of the thread that loads it:
+    loaded on the loop thread (one thread), it was built again at the first request (8.8 s).
+    So `--layers` loads, a node's and a tracker's, run where model calls run."""
+    from meshnet.assemble import tracker
+    from meshnet.entry.role import EntryRole
+
+    threads: list[str] = []
+
+    def load(self: EntryRole, model_id: str, source: str, span: LayerSpan) -> EchoRunner:
+        threads.append(threading.current_thread().name)
+        return EchoRunner(MODEL, span)
+
+    def load_entry(config: NodeConfig, model_id: str, source: str, span: LayerSpan) -> EntryModel:
+        threads.append(threading.current_thread().name)
+        return fake_entry(span)
+
+    monkeypatch.setattr(EntryRole, "load", load)
+    monkeypatch.setattr(tracker, "load_entry_model", load_entry)
+    config = replace(node_config(tmp_path), layers="0:6", budget_bytes=None)
+    build_app(config)
+    tracker.build_tracker_node_app(TrackerConfig(port=free_port()), config)
+    assert len(threads) == 2 and all(name.startswith("compute") for name in threads)

@@ -227,3 +227,35 @@ def test_static_cache_doubles_and_only_counts_what_it_holds() -> None:
     assert cache_length(cache) == 3 and cache_bytes(cache) == 3 * 2 * 2 * 2 * 4 * 4
     truncate(cache, 1)
     assert cache_length(cache) == 1
+
+
+def test_a_decoded_int8_token_attends_by_products_in_fp32_and_by_sdpa_in_bf16(
+    compute: str, tiny_folder: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADR-0047: oneDNN's bf16 `bmm` costs ~45 us a call on AVX-512 hosts, more than SDPA's
+    whole attention; fp32 `bmm` costs ~6 us. Eager decode steps, one session and batched."""
+    from meshnet.models import llama_fast
+
+    source = resolve(str(tiny_folder("llama")))
+    shard = load_shard(source, LayerSpan(0, source.spec.num_layers), "int8")
+    width, layers = source.spec.hidden_size, source.spec.num_layers
+    caches = [new_cache(), new_cache()]
+    for cache in caches:
+        shard.forward(torch.randn(1, 5, width), cache, 0)
+    calls: list[str] = []
+    sdpa, bmm = llama_fast.F.scaled_dot_product_attention, torch.bmm
+
+    def counting_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("sdpa")
+        return sdpa(*args, **kwargs)
+
+    def counting_bmm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("bmm")
+        return bmm(*args, **kwargs)
+
+    monkeypatch.setattr(llama_fast.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(llama_fast.torch, "bmm", counting_bmm)
+    shard.forward(torch.randn(1, 1, width), caches[0], 5)
+    shard.forward_many([torch.randn(1, 1, width)] * 2, caches, [6, 5])
+    expected = ["bmm", "bmm"] if compute == "fp32" else ["sdpa"]
+    assert calls == expected * layers * 3  # one session's step, then two sessions'

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ CODE = (
     "Rename the variable total to amount in this code:\n"
     "def add(items):\n    total = 0\n    for x in items:\n        total += x\n    return total\n"
 )
+NEAR_TIE = 0.25  # logits: top-2 this close may swap when bf16 sums run in another order
 PROMPTS = {"quote": QUOTE, "code edit": CODE, "free text": "Write a short poem about tea."}
 
 
@@ -58,14 +60,33 @@ def ends(
     return asyncio.run(run())
 
 
+def assert_same_up_to_a_near_tie(
+    reference: Any, prompt: list[int], plain: list[int], drafted: list[int], name: str
+) -> None:
+    """`drafted` equals `plain`, or they part where the fp32 model's two tokens are within
+    NEAR_TIE logits. A verify pass of up to 9 tokens and one-token steps round bf16 sums in
+    another order: on an AMX Xeon "free text" parts at token 30, 16.425 against 16.346 in
+    fp32 and 16.5 for both in bf16; fp32 computing measures no parting."""
+    if drafted == plain:
+        return
+    at = next((i for i, (p, d) in enumerate(zip(plain, drafted, strict=False)) if p != d), None)
+    assert at is not None, f"{name}: one answer is a prefix of the other"
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + plain[:at]])).logits[0, -1]
+    best = float(logits.max())
+    margins = [best - float(logits[t]) for t in (plain[at], drafted[at])]
+    assert max(margins) <= NEAR_TIE, f"{name}: parts at token {at}, margins {margins}"
+
+
 @pytest.mark.slow
 def test_drafted_greedy_tokens_equal_plain_ones_on_the_default_model(
-    compute: ComputeDtype,
+    compute: ComputeDtype, smollm_reference: Any
 ) -> None:
     plain, drafting = generators([EntryConfig(seed=0, draft=d) for d in ("none", "lookup")])
     alone, drafted = ends(plain, [*PROMPTS.values()]), ends(drafting, [*PROMPTS.values()])
-    for name, a, d in zip(PROMPTS, alone, drafted, strict=True):
-        assert d.token_ids == a.token_ids, name
+    for (name, text), a, d in zip(PROMPTS.items(), alone, drafted, strict=True):
+        ids = plain.codec.chat([{"role": "user", "content": text}])  # type: ignore[attr-defined]
+        assert_same_up_to_a_near_tie(smollm_reference, ids, a.token_ids, d.token_ids, name)
         assert a.drafted_tokens == 0  # one round a token (and one that gave end-of-text)
         assert a.decode_rounds in (a.completion_tokens - 1, a.completion_tokens)
     # this 135M model paraphrases more than it copies; measured 20 of 46 drafts stood (fp32)

@@ -198,7 +198,8 @@ def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:
             f"without --tracker an entry must serve all layers, not {span} (no route to the "
             "rest); --no-entry serves the span alone"
         )
-    runner = role.load(offer(config.model).model, config.model, span)
+    load = (offer(config.model).model, config.model, span)
+    runner = role.service.scheduler.run_blocking(role.load, *load)  # on the compute thread
     role.service.shards.add(runner)
     role.attach(runner)
 

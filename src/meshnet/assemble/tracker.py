@@ -100,7 +100,8 @@ def build_tracker_node_app(
     )
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed), request.node_id)
     role = EntryRole(node, entry, service, routes, transport)
-    model = load_entry_model(node, offer(node.model).model, node.model, span)
+    load = (node, offer(node.model).model, node.model, span)
+    model = service.scheduler.run_blocking(load_entry_model, *load)  # see run_blocking
     service.shards.add(model.runner)
     role.add(model)
     # other models this tracker offers are answered by their entries (ADR-0028)

@@ -11,8 +11,10 @@ written in place into `StaticKV`. int8 spans can also compile their decode step
 
 Dense weights (fp32, bf16) attend with PyTorch's SDPA, as transformers does, and stay
 bit-for-bit equal to transformers' layers. INT8 weights have no bit-exact reference (their
-products already differ from bitsandbytes'), so a single decoded token attends with two small
-products instead of SDPA's kernel (~0.1 ms a layer here) (ADR-0021, ADR-0022).
+products already differ from bitsandbytes'), so a single decoded token in fp32 attends with
+two small products instead of SDPA's kernel (~0.1 ms a layer here) (ADR-0021, ADR-0022). In
+bf16 (int8 layers on hosts with fast bf16) those products cost more than SDPA: oneDNN's bf16
+`bmm` takes ~45 us however small, SDPA ~30 us for both (ADR-0047).
 """
 
 from __future__ import annotations
@@ -312,10 +314,11 @@ class FastSpan:
         carries a sliding `window`).
 
         PyTorch's SDPA, as transformers calls it: the same kernel keeps results bit-for-bit
-        equal. Without that constraint (int8 weights) one token attends by two products, over
-        the last `window` keys only.
+        equal. Without that constraint (int8 weights) one fp32 token attends by two products,
+        over the last `window` keys only; a bf16 one keeps SDPA, which is faster there
+        (`bmm` on bf16 costs ~45 us a call on AVX-512 hosts, ADR-0047).
         """
-        if not self.exact and q.shape[2] == 1:
+        if not self.exact and q.shape[2] == 1 and q.dtype == torch.float32:
             if window is not None:
                 keys, values = keys[:, :, -window:], values[:, :, -window:]
             return self._attend_one(q, keys, values)

@@ -14,7 +14,11 @@ of bf16 weights. Same weights, less rounding than LLM.int8 (ADR-0022).
 That kernel's time grows linearly with the rows M (measured here, 3072x576: 88 us at M=1,
 1.3 ms at 32, 4.2 ms at 128), so from `DEQUANT_ROWS` rows on (prefill chunks, wide batches)
 the rows are widened to bf16 in blocks and multiplied densely, with the scales applied to the
-output columns: 0.75 ms at 128 rows, same weights, one more bf16 rounding (ADR-0027).
+output columns: 0.75 ms at 128 rows, same weights, one more bf16 rounding (ADR-0027). The
+widening costs about the same at any M (the int8 -> bf16 copy, ~0.2 ms for 3072x576), so
+the crossover is where the kernel's M rows cost that much: a layer of the default model's
+four products on a 2-core AVX-512/AMX Xeon, kernel against widened, 0.69 against 1.27 ms at
+8 rows, 0.96 against 1.08 at 12, 1.24 against 0.95 at 16 (ADR-0047).
 
 Where bf16 products are slow (no AVX-512 BF16: such hosts compute in fp32, so the
 activations come as fp32) widening to bf16 costs more than the kernel at every M (2-core AMD
@@ -36,7 +40,7 @@ from meshnet.models.int4 import Int4Linear
 
 log = logging.getLogger(__name__)
 INT8_MAX = 127.0
-DEQUANT_ROWS = 32  # from this many bf16 activation rows on, widen the weights (crossover ~24-32)
+DEQUANT_ROWS = 16  # from this many bf16 activation rows on, widen the weights (crossover ~14)
 DEQUANT_ROWS_FP32 = 96  # and from this many fp32 ones (crossover ~96-128, AVX2)
 BLOCK_ELEMENTS = 1 << 23  # weights widened at a time: 16 MiB of bf16, whatever the layer
 

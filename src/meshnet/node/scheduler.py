@@ -145,6 +145,14 @@ class Scheduler:
         session's step waits for here; heartbeats carry it to the tracker's route choice."""
         return statistics.median(self._rounds_s) if self._rounds_s else 0.0
 
+    def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the compute thread, waiting for it here: work before the event
+        loop serves (loading a span given by hand), run where its model calls will run.
+        A compiled decode step guards on the thread count of the thread that built it:
+        built on the loop thread (one thread), it was built again at the first request
+        (8.8 s with inductor's cache warm; ADR-0023)."""
+        return self.worker.submit(fn, *args).result()
+
     def queue_depth(self) -> int:
         """Jobs waiting for the compute thread now."""
         return len(self._queue)
