@@ -19,9 +19,11 @@ from collections.abc import Callable
 
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.spec import ModelSpec
+from meshnet.tracker.messages import HeartbeatRequest, ShardRef
 from meshnet.tracker.planner import ModelOffer, NodeView, plan, with_directives
+from meshnet.tracker.registry import Registry
 from meshnet.tracker.routing import Server, choose_route
-from meshnet.types import QUANTS, ModelId, NodeId
+from meshnet.types import QUANTS, LayerSpan, ModelId, NodeId
 
 GB = 10**9
 JSON = {"Content-Type": "application/json"}
@@ -113,8 +115,8 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     print(
-        f"| {n_nodes:,} | {n_models} | {full_s * 1e3:.0f} | {join_s * 1e3:.0f} | "
-        f"{leave_s * 1e3:.0f} | {first_use:.1%} | {rounds} | {used:.1%} | "
+        f"| {n_nodes:,} | {n_models} | {full_s * 1e3:.1f} | {join_s * 1e3:.1f} | "
+        f"{leave_s * 1e3:.1f} | {first_use:.1%} | {rounds} | {used:.1%} | "
         f"{min(hops)} / {statistics.median(hops):g} / {max(hops)} |"
     )
     print_heartbeats([200] if args.tiny else [2_000, 10_000], 100 if args.tiny else 1_000)
@@ -135,16 +137,16 @@ def heartbeat_costs(count: int, beats: int) -> tuple[float, float]:
     from meshnet.tracker import messages as msg
     from meshnet.tracker.app import create_app
     from meshnet.tracker.probe import TrustingProber
-    from meshnet.tracker.registry import Registry
 
     models = offers(4)
     views = nodes(count, random.Random(1))
     state = with_directives(views, plan(models, views))
+    now = [0.0]  # seconds; moved only while settling, frozen while beats are timed
     registry = Registry(
         models,
         {m.model: m.model for m in models},
         dead_after_s=6.0,
-        clock=lambda: 0.0,
+        clock=lambda: now[0],
         max_per_address=count,
     )
     for v in state:
@@ -159,13 +161,9 @@ def heartbeat_costs(count: int, beats: int) -> tuple[float, float]:
                 loaded=refs,
             )
         )
-    beats_of = [
-        msg.HeartbeatRequest(
-            node_id=v.node_id, loaded=[msg.ShardRef(model=h.model, span=h.span) for h in v.holdings]
-        )
-        for v in state
-    ]
-    registry.replan()
+    beats_of = settle(
+        registry, now, {v.node_id: {(h.model, h.span) for h in v.holdings} for v in state}
+    )
     plans = registry.plans
     direct = median_s(lambda: [registry.heartbeat(b) for b in beats_of[:beats]], 3) / beats
     assert registry.plans == plans, "a no-op heartbeat planned"
@@ -189,6 +187,32 @@ def heartbeat_costs(count: int, beats: int) -> tuple[float, float]:
     client_s = min(asyncio.run(over_http(_answering_app())) for _ in range(3))
     http_s = min(asyncio.run(over_http(app)) for _ in range(3))
     return direct, max(http_s - client_s, 0.0)
+
+
+def settle(
+    registry: Registry, now: list[float], held: dict[NodeId, set[tuple[ModelId, LayerSpan]]]
+) -> list[HeartbeatRequest]:
+    """Beat every node, each reporting what it was told to load or drop, until a round of
+    beats brings no directive: the heartbeats timed after this change nothing. Each round
+    moves the clock a second, past any plan the registry deferred (a plan slower than
+    `QUICK_PLAN_S` waits; a frozen clock would hide the directives it would give)."""
+    registry.replan()
+    for _ in range(MAX_ROUNDS):
+        beats = [
+            HeartbeatRequest(
+                node_id=node,
+                loaded=[ShardRef(model=model, span=span) for model, span in sorted(spans)],
+            )
+            for node, spans in held.items()
+        ]
+        plans, now[0] = registry.plans, now[0] + 1.0
+        told = [(b.node_id, d) for b in beats for d in registry.heartbeat(b)]
+        for node, d in told:
+            spans = held[NodeId(node)]
+            (spans.add if d.op == "LOAD_SHARD" else spans.discard)((d.model, d.span))
+        if not told and registry.plans == plans:
+            return beats
+    raise RuntimeError(f"the registry did not settle in {MAX_ROUNDS} rounds of heartbeats")
 
 
 def _answering_app() -> object:

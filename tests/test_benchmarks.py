@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,25 @@ def test_planner_benchmark_prints_plan_times() -> None:
         [r for r in rows if r[1:2] == [" 200 "] and len(r) == 11],
         [r for r in rows if r[1:2] == [" 200 "] and len(r) == 8],
     )
-    assert len(plans) == 1 and float(plans[0][3]) >= 0  # the full plan's ms
+    assert len(plans) == 1 and float(plans[0][3]) > 0  # the full plan's ms
+    assert int(plans[0][7]) >= 1 and float(plans[0][8].strip(" %")) > 0  # plans, budget used
     assert len(beats) == 1 and 0 < float(beats[0][2]) < 1000  # a no-op heartbeat's us
+
+
+@pytest.mark.parametrize("quick_plan_s", [0.0, 10.0])
+def test_planner_benchmark_times_beats_that_change_nothing_however_fast_plans_are(
+    quick_plan_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timed heartbeats follow a settled registry: every plan's directives carried out,
+    whether plans are deferred (slow CPUs: a plan over `QUICK_PLAN_S`) or not (fast ones).
+    Before, the beats never reported the loads they were told and planned on fast CPUs."""
+    from meshnet.tracker import registry
+
+    monkeypatch.setattr(registry, "QUICK_PLAN_S", quick_plan_s)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    planner = importlib.import_module("planner")
+    direct_s, app_s = planner.heartbeat_costs(200, 20)  # asserts that no beat planned
+    assert 0 < direct_s < 0.01 and app_s >= 0
 
 
 @pytest.mark.slow

@@ -101,6 +101,11 @@ def test_a_tool_conversation_round_trip_is_accepted(app: FastAPI) -> None:
     body = CHAT | {"messages": messages, "tools": [WEATHER], "max_tokens": 3}
     response = post(app, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": '!"#'}
+    alone = post(app, "/v1/chat/completions", body | {"messages": messages[:1]}).json()
+    grew = answer["usage"]["prompt_tokens"] - alone["usage"]["prompt_tokens"]
+    assert grew > len('{"city": "Paris"}sunny, 21 C')  # the call and its result were read
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,11 @@ The fake head embeds token id `i` as a vector whose first element is `i`; echo r
 it through unchanged (over the real wire format); the head's logits then favour `i + 1`, so
 the "model" continues any text with the next characters of the alphabet, and id 0 (reached
 after 127) ends the sequence.
+
+Echo runners cannot show a wrong cache: their output is their input. With `context=True`
+each hop is a `ContextRunner` instead, whose output depends on every token its cache holds,
+and the `ContextHead` reads that into its logits, so a token too many or too few in any
+cache, or a hop skipped, changes the logprobs (the greedy text stays the alphabet).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
 from meshnet.text.codec import CharCodec
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
+from meshnet.wire import FrameMeta
 
 VOCAB = 128
 HIDDEN = 8
 MODEL = ModelId("fake")
+DIGEST = 7  # a context runner adds (sum of the ids its cache holds) mod DIGEST to element 1
 
 
 class CountingHead:
@@ -46,6 +53,45 @@ class CountingHead:
         return out
 
 
+class ContextRunner(EchoRunner):
+    """An echo runner whose rows depend on its cache, as a model's do: row r gets, added to
+    element 1, the sum of the ids (element 0) of every token the session holds up to and
+    including r, mod `DIGEST`. Rewinds drop tokens and forks copy them as a cache would."""
+
+    def __init__(self, model: ModelId, span: LayerSpan) -> None:
+        super().__init__(model, span)
+        self.context: dict[SessionId, list[int]] = {}
+
+    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+        new = meta.session not in self._sessions
+        held = self.context.get(meta.fork) if new and meta.fork else None
+        out = super().forward(meta, hidden).clone()  # refuses, changing nothing, as it did
+        if held is None:
+            held = [] if new else self.context[meta.session]
+        ids = held[: meta.position] + hidden[0, :, 0].float().round().long().tolist()
+        self.context[meta.session] = ids
+        sums = torch.tensor(ids).cumsum(0)[meta.position :] % DIGEST
+        out[0, :, 1] += sums.to(out.dtype)
+        return out
+
+    def drop(self, session: SessionId) -> bool:
+        self.context.pop(session, None)
+        return super().drop(session)
+
+
+class ContextHead(CountingHead):
+    """The counting head's choice, with a margin that grows by the context runners' sums
+    in element 1 (three hops adding `s` each: `3s`; one skipped: `2s`). Greedy text stays
+    the alphabet (so prompt lookup still drafts); the logprobs show what every cache held."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids = hidden[..., 0].float().round().long()
+        margin = self.margin + hidden[..., 1].float().round()
+        out = torch.zeros(*ids.shape, VOCAB)
+        out.scatter_(-1, ((ids + 1) % VOCAB).unsqueeze(-1), margin.unsqueeze(-1))
+        return out
+
+
 def fake_mesh(
     margin: float = 20.0,
     chunk_tokens: int = 128,
@@ -57,6 +103,7 @@ def fake_mesh(
     piece_tokens: int = 512,
     max_drafts: int = 0,
     head: object | None = None,
+    context: bool = False,
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
@@ -64,14 +111,16 @@ def fake_mesh(
     (`a3`: another copy of 2:4, `b3` of 4:6). With `push`, steps go through the whole
     route as one `Transport.push` call (ADR-0034); `pipelined` prompts overlap across the
     hops (ADR-0036), the entry's span running them in pieces of `piece_tokens`; with
-    `max_drafts`, prompt-lookup speculation (ADR-0038); `head` replaces the counting head.
+    `max_drafts`, prompt-lookup speculation (ADR-0038); `head` replaces the counting head;
+    `context` makes every runner a `ContextRunner` read by a `ContextHead`.
     """
-    local = EchoRunner(MODEL, LayerSpan(0, 2))
+    runner = ContextRunner if context else EchoRunner
+    local = runner(MODEL, LayerSpan(0, 2))
     spans = {"a": LayerSpan(2, 4), "b": LayerSpan(4, 6)}
     if replicas:
         spans |= {"a2": LayerSpan(2, 4), "b2": LayerSpan(4, 6)}
     spans |= {name: spans[name[0]] for name in copies}
-    runners = {name: EchoRunner(MODEL, span) for name, span in spans.items()}
+    runners = {name: runner(MODEL, span) for name, span in spans.items()}
     hops = [Hop(NodeId(f"node-{name}"), name, span) for name, span in spans.items()]
     wire = WireConfig(chunk_tokens=chunk_tokens)
     transport = InProcessTransport(runners, wire)
@@ -80,7 +129,7 @@ def fake_mesh(
     pipeline = Pipeline(
         MODEL,
         6,
-        head or CountingHead(margin),
+        head or (ContextHead if context else CountingHead)(margin),
         local,
         service,
         StaticRoutes(hops),

@@ -3,9 +3,12 @@ ones rewound on every cache, and the output of plain decoding, token for token."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from meshnet.entry.generation import Generator
 from meshnet.entry.session import PipelineSession
 from meshnet.node.runner import EchoRunner
 from meshnet.text.events import Finished
@@ -36,12 +39,33 @@ def generate(prompt: str, drafts: int, **mesh: object) -> tuple[str, Finished]:
 @pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
 def test_greedy_output_with_drafts_equals_plain_decoding(prompt: str, push: bool) -> None:
-    plain, plain_end = generate(prompt, 0, push=push)
-    drafted, end = generate(prompt, 8, push=push)
+    """Context runners (`tests/entry/fakes.py`): each token's logprob depends on what every
+    cache held when it was chosen, so a rejected draft left in a cache, or one token too
+    many dropped, shows in the scores though the text stays the same."""
+    plain, plain_end, plain_scores = scored_run(prompt, 0, push=push)
+    drafted, end, scores = scored_run(prompt, 8, push=push)
     assert drafted == plain and end.token_ids == plain_end.token_ids
     assert end.completion_tokens == plain_end.completion_tokens
-    assert 0 <= end.accepted_tokens <= end.drafted_tokens
+    assert scores == plain_scores and len(set(scores)) > 1  # the margins moved with the context
     assert plain_end.drafted_tokens == 0
+    if prompt != PROMPTS["nothing recurs"]:
+        assert end.drafted_tokens > 0
+    if prompt == PROMPTS["wrong drafts"]:
+        assert 0 < end.accepted_tokens < end.drafted_tokens  # hits, then a rewind
+
+
+def scored_run(prompt: str, drafts: int, **mesh: object) -> tuple[str, Finished, list[float]]:
+    """Greedy text, end and each token's logprob over context runners."""
+    params = GenerationParams(12, (), SamplingParams(temperature=0.0), logprobs=0)
+    generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, context=True, **mesh)  # type: ignore[arg-type]
+    events = run(gather(generator, prompt, params))
+    end = next(e for e in events if isinstance(e, Finished))
+    scores = [s.logprob for e in events for s in getattr(e, "logprobs", ())]
+    return generator.codec.decode(end.token_ids), end, scores
+
+
+async def gather(generator: Generator, prompt: str, params: GenerationParams) -> list[object]:
+    return [e async for e in generator.stream(generator.codec.encode(prompt), params)]
 
 
 def test_drafts_and_accepted_ones_are_counted_in_metrics() -> None:
@@ -98,7 +122,8 @@ def test_a_rejected_draft_is_rewound_on_every_cache_by_the_next_frame() -> None:
     assert text == generate(PROMPTS["wrong drafts"], 0)[0]
     assert end.accepted_tokens < end.drafted_tokens  # the wrap was drafted wrong
     final = {name: held for name, held in sessions}  # the last frame's cache length
-    assert len(set(final.values())) == 1  # every cache agrees on what it holds
+    held = end.prompt_tokens + end.completion_tokens - 1  # the last token is never sent
+    assert final == {"local": held, "a": held, "b": held}  # accepted tokens, no more
 
 
 # the verify frame, the frame that rewinds, a later step
@@ -173,3 +198,33 @@ def test_drafted_rounds_score_their_tokens_as_plain_decoding_does() -> None:
 
     plain, drafted = run(scores(0)), run(scores(8))
     assert len(plain) == 12 and drafted == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("prompt", ["quote", "wrong drafts"])
+@pytest.mark.parametrize("drafts", [0, 8])
+def test_every_token_is_scored_under_the_row_that_chose_it(
+    drafts: int, prompt: str, temperature: float
+) -> None:
+    """Known values: the counting head gives its input's next id the margin (3) and every
+    other id 0, so a token's logprob is `3 - log(e^3 + 127)` where it follows the token
+    before it and `-log(e^3 + 127)` where not, whatever the temperature (scores are the
+    model's own distribution). With drafts that miss, the token after the accepted ones is
+    scored by the row after them, not by the frame's last row."""
+    params = GenerationParams(12, (), SamplingParams(temperature=temperature, seed=5), logprobs=1)
+    generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, margin=3.0)
+    ids = generator.codec.encode(PROMPTS[prompt])
+
+    async def events() -> list[object]:
+        return [e async for e in generator.stream(ids, params)]
+
+    got = run(events())
+    scores = [s for e in got for s in getattr(e, "logprobs", ())]
+    end = next(e for e in got if isinstance(e, Finished))
+    assert [s.token for s in scores] == end.token_ids and len(scores) == 12
+    other = -math.log(math.exp(3.0) + 127)
+    for before, s in zip([ids[-1], *end.token_ids], scores, strict=False):
+        expected = other + 3.0 if s.token == (before + 1) % 128 else other
+        assert s.logprob == pytest.approx(expected, abs=1e-5), (before, s)
+    if drafts and prompt == "wrong drafts" and temperature == 0.0:
+        assert 0 < end.accepted_tokens < end.drafted_tokens  # a draft missed after hits

@@ -176,27 +176,41 @@ def test_make_room(
     assert make_room(idle, used, need, 120, 10.0) == expected  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("quant", ["fp32", "bf16", "int8"])
+REWIND_CASES = [
+    ("llama", "fp32", 6),  # static cache: written by position (the fast path)
+    ("llama", "bf16", 6),
+    ("llama", "int8", 6),
+    ("gpt2", "fp32", 6),  # eager cache: appended, so a token too many shows
+    ("gemma3_text", "fp32", 300),  # eager, sliding layers already trimmed to their window
+]
+
+
+@pytest.mark.parametrize(("model_type", "quant", "prompt"), REWIND_CASES)
 def test_a_rewind_drops_rejected_drafts_and_continues_as_a_fresh_cache_would(
-    quant: str, tiny_folder: Callable[[str], Path]
+    model_type: str, quant: str, prompt: int, tiny_folder: Callable[[str], Path]
 ) -> None:
-    """ADR-0038: 6 tokens in, then 3 at position 4 with the rewind flag: the output is a
-    cache that only ever held the first 4; beyond 64 tokens back, or unflagged, refused."""
+    """ADR-0038: `prompt` tokens in, then 3 at position `prompt - 2` with the rewind flag:
+    the output is a cache that only ever held the first `prompt - 2`, in every kind of cache;
+    beyond 64 tokens back, or unflagged, refused."""
     from dataclasses import replace
 
-    source = resolve(str(tiny_folder("llama")))
+    from meshnet.models.cache import cache_length
+
+    source = resolve(str(tiny_folder(model_type)))
     runner = TorchShardRunner(ModelId("tiny"), load_shard(source, LayerSpan(2, 4), quant))  # type: ignore[arg-type]
+    width, kept = int(runner.shard.config.hidden_size), prompt - 2
     torch.manual_seed(0)
-    x, more = torch.randn(1, 6, 64), torch.randn(1, 3, 64)
+    x, more = torch.randn(1, prompt, width), torch.randn(1, 3, width)
     runner.forward(meta("a", 0), x)
     with pytest.raises(SessionError, match="overlap"):
-        runner.forward(meta("a", 4), more)  # without the flag
-    rewound = runner.forward(replace(meta("a", 4), rewind=True), more)
-    runner.forward(meta("b", 0), x[:, :4])
-    fresh = runner.forward(meta("b", 4), more)
+        runner.forward(meta("a", kept), more)  # without the flag
+    rewound = runner.forward(replace(meta("a", kept), rewind=True), more)
+    runner.forward(meta("b", 0), x[:, :kept])
+    fresh = runner.forward(meta("b", kept), more)
     assert torch.allclose(rewound.float(), fresh.float(), atol=1e-5, rtol=0)
-    assert runner.sessions._sessions[SessionId("a")].length == 7
-    runner.forward(meta("a", 7), torch.randn(1, 70, 64))  # 77 held
+    session = runner.sessions._sessions[SessionId("a")]
+    assert session.length == cache_length(session.cache) == kept + 3
+    runner.forward(meta("a", kept + 3), torch.randn(1, 70, width))
     with pytest.raises(SessionError, match="at most 64"):
-        runner.forward(replace(meta("a", 12), rewind=True), more)
-    assert runner.sessions._sessions[SessionId("a")].length == 77  # refused: unchanged
+        runner.forward(replace(meta("a", kept + 8), rewind=True), more)
+    assert session.length == cache_length(session.cache) == kept + 73  # refused: unchanged

@@ -86,9 +86,14 @@ def test_drafts_are_penalized_as_one_token_at_a_time(temperature: float) -> None
             rows, one_by_one[:4], params, seeded_rng(11, 0), history, generated
         )
         assert (taken, after) == (4, one_by_one[4])
-    else:  # sampling: a draft stands with its penalized probability, never a zero one
-        taken, _ = accept_drafts(rows, one_by_one[:4], params, seeded_rng(11, 0), history, 1)
-        assert 0 <= taken <= 4
+    else:  # sampling: a draft stands with its penalized probability: ~1 stands, 0 never
+        certain = torch.full((5, 16), -30.0)
+        certain[range(5), [7, 8, 9, 10, 11]] = 30.0
+        drafts = [7, 8, 9, 10]
+        assert accept_drafts(certain, drafts, params, seeded_rng(11, 0), history, 1) == (4, 11)
+        certain[1, 8] = float("-inf")  # the second draft cannot be sampled: the first stands
+        taken, after = accept_drafts(certain, drafts, params, seeded_rng(11, 0), history, 1)
+        assert taken == 1 and after != 8
 
 
 def test_a_token_is_scored_by_the_log_softmax_of_its_logits() -> None:

@@ -357,8 +357,8 @@ def test_carried_out_plans_converge_without_flapping(
     else:
         raise AssertionError("plans did not converge")
     survivors = [n for i, n in enumerate(views) if i != victim % len(views)]
-    for d in plan(offers, survivors):  # after a death only redundant copies move
-        assert d.op == "LOAD_SHARD" or "redundant" in d.reason
+    drops = [d for d in plan(offers, survivors) if d.op == "DROP_SHARD"]
+    assert lost_nothing(offers, survivors, with_directives(survivors, drops))  # spares only
 
 
 def lost_nothing(offers: list[ModelOffer], before: list[NodeView], after: list[NodeView]) -> bool:
@@ -378,3 +378,56 @@ def first_break_free(offers: list[ModelOffer], nodes: list[NodeView]) -> list[bo
         is None
         for o in offers
     ]
+
+
+holdings_st = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 39), st.integers(1, 40), st.booleans()),
+    max_size=3,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(models=models_st, nodes=nodes_st, holdings=st.lists(holdings_st, max_size=12))
+def test_a_mesh_that_already_holds_spans_never_loses_the_last_copy_of_a_layer(
+    models: list[tuple[int, int]],
+    nodes: list[tuple[int, str, float]],
+    holdings: list[list[tuple[int, int, int, bool]]],
+) -> None:
+    """Nodes that already hold spans (loaded or still loading, overlapping, within budget or
+    not): every layer that had a loaded copy keeps one after the drops, and a plan carried
+    out leaves nothing more to do about coverage."""
+    offers, views = build(models, nodes)
+    views = [
+        replace(view, holdings=spans_of(offers, held))
+        for view, held in zip(views, [*holdings, *[[]] * len(views)], strict=False)
+    ]
+    directives = plan(offers, views)
+    dropped = {(d.node_id, d.model, d.span) for d in directives if d.op == "DROP_SHARD"}
+    for o in offers:
+
+        def loaded(keep: bool, model: ModelId = o.model) -> set[int]:
+            return {
+                i
+                for v in views
+                for h in v.holdings
+                if h.model == model
+                and h.loaded
+                and (not keep or (v.node_id, h.model, h.span) not in dropped)
+                for i in h.span
+            }
+
+        assert loaded(keep=False) <= loaded(keep=True), o.model
+
+
+def spans_of(
+    offers: list[ModelOffer], held: list[tuple[int, int, int, bool]]
+) -> tuple[Holding, ...]:
+    """Random holdings clipped to the offered models' layers, a span at most once a node
+    (loaded or loading, not both)."""
+    out: dict[tuple[ModelId, LayerSpan], Holding] = {}
+    for index, start, length, done in held:
+        o = offers[index % len(offers)]
+        first = start % o.num_layers
+        span = LayerSpan(first, min(first + length, o.num_layers))
+        out.setdefault((o.model, span), Holding(o.model, span, done))
+    return tuple(out.values())
