@@ -14,6 +14,7 @@ cache, or a hop skipped, changes the logprobs (the greedy text stays the alphabe
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +27,8 @@ from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
 from meshnet.text.codec import CharCodec
+from meshnet.text.events import Delta, Finished
+from meshnet.text.params import GenerationParams
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
 
@@ -33,6 +36,8 @@ VOCAB = 128
 HIDDEN = 8
 MODEL = ModelId("fake")
 DIGEST = 7  # a context runner adds (sum of the ids its cache holds) mod DIGEST to element 1
+CONTEXT_MARGIN = 2.0  # small: a logprob near 0 would not show the context (float32)
+HOP_OFFSET = 10.0  # and this times its span's end to elements 2: (that no head reads)
 
 
 class CountingHead:
@@ -56,7 +61,8 @@ class CountingHead:
 class ContextRunner(EchoRunner):
     """An echo runner whose rows depend on its cache, as a model's do: row r gets, added to
     element 1, the sum of the ids (element 0) of every token the session holds up to and
-    including r, mod `DIGEST`. Rewinds drop tokens and forks copy them as a cache would."""
+    including r, mod `DIGEST`, and a per-hop offset to the elements no head reads. Rewinds
+    drop tokens and forks copy them as a cache would."""
 
     def __init__(self, model: ModelId, span: LayerSpan) -> None:
         super().__init__(model, span)
@@ -72,6 +78,7 @@ class ContextRunner(EchoRunner):
         self.context[meta.session] = ids
         sums = torch.tensor(ids).cumsum(0)[meta.position :] % DIGEST
         out[0, :, 1] += sums.to(out.dtype)
+        out[0, :, 2:] += HOP_OFFSET * self.span.end  # an answer is never its input
         return out
 
     def drop(self, session: SessionId) -> bool:
@@ -80,16 +87,30 @@ class ContextRunner(EchoRunner):
 
 
 class ContextHead(CountingHead):
-    """The counting head's choice, with a margin that grows by the context runners' sums
-    in element 1 (three hops adding `s` each: `3s`; one skipped: `2s`). Greedy text stays
-    the alphabet (so prompt lookup still drafts); the logprobs show what every cache held."""
+    """The counting head's choice, with a margin of `CONTEXT_MARGIN` plus a quarter of the
+    context runners' sums in element 1 (three hops adding `s` each: `3s`; one skipped:
+    `2s`). Greedy text stays the alphabet (so prompt lookup still drafts); the logprobs
+    show what every cache held."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         ids = hidden[..., 0].float().round().long()
-        margin = self.margin + hidden[..., 1].float().round()
+        margin = CONTEXT_MARGIN + 0.25 * hidden[..., 1].float().round()
         out = torch.zeros(*ids.shape, VOCAB)
         out.scatter_(-1, ((ids + 1) % VOCAB).unsqueeze(-1), margin.unsqueeze(-1))
         return out
+
+
+async def scored(
+    generator: Generator, prompt: str, params: GenerationParams
+) -> tuple[str, Finished, list[float]]:
+    """One answer's text, end and each token's logprob (asked for here): over context
+    runners the logprobs show what every cache held when each token was chosen."""
+    asked = replace(params, logprobs=params.logprobs or 0)
+    events = [e async for e in generator.stream(generator.codec.encode(prompt), asked)]
+    end = events[-1]
+    assert isinstance(end, Finished)
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    return text, end, [s.logprob for e in events for s in getattr(e, "logprobs", ())]
 
 
 def fake_mesh(

@@ -18,7 +18,7 @@ from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import Hop, NodeId
 from meshnet.wire import FrameMeta
 from tests.conftest import run
-from tests.entry.fakes import fake_mesh
+from tests.entry.fakes import fake_mesh, scored
 from tests.entry.test_generation import collect
 
 PARAMS = GenerationParams(20, (), SamplingParams(temperature=0.0))
@@ -40,15 +40,25 @@ def failure_free() -> str:
     return run(collect(generator, PROMPT, PARAMS))[0]
 
 
+def failure_free_scores(
+    prompt: str = PROMPT, params: GenerationParams = PARAMS, **mesh: object
+) -> list[float]:
+    """Each token's logprob over context runners, nothing failing."""
+    generator, _, _ = fake_mesh(chunk_tokens=16, replicas=True, context=True, **mesh)  # type: ignore[arg-type]
+    return run(scored(generator, prompt, params))[2]
+
+
 @pytest.mark.parametrize(
     ("address", "position"),
     [("a", 55), ("b", 50), ("b", 68), ("a", 16), ("b", 32)],  # decode steps; prefill chunks
 )
 def test_output_equals_the_failure_free_run(address: str, position: int) -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
+    """Context runners: the replayed replacement's cache holds what the dead hop's did (the
+    logprobs would show a token too many or too few)."""
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True, context=True)
     kill_at(transport, address, position)
-    text, end = run(collect(generator, PROMPT, PARAMS))
-    assert text == failure_free()
+    text, end, scores = run(scored(generator, PROMPT, PARAMS))
+    assert text == failure_free() and scores == failure_free_scores()
     assert len(end.failover_pauses_s) == 1
     assert [h.node_id for h in end.route][1:] == (
         ["node-a2", "node-b"] if address == "a" else ["node-a", "node-b2"]

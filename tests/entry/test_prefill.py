@@ -10,8 +10,8 @@ import pytest
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.wire import FrameMeta
 from tests.conftest import run
-from tests.entry.fakes import fake_mesh
-from tests.entry.test_failover import kill_at
+from tests.entry.fakes import fake_mesh, scored
+from tests.entry.test_failover import failure_free_scores, kill_at
 from tests.entry.test_generation import collect
 from tests.entry.test_push import moved_off
 
@@ -67,10 +67,12 @@ def test_the_entrys_span_runs_in_pieces_each_sent_on_when_done() -> None:
 def test_a_hop_failing_mid_prompt_moves_the_session_and_the_output_is_unchanged(
     address: str, position: int, push: bool
 ) -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True, push=push)
+    generator, transport, runners = fake_mesh(
+        chunk_tokens=16, replicas=True, push=push, context=True
+    )
     kill_at(transport, address, position)
-    text, end = run(collect(generator, PROMPT, PARAMS))
-    assert text == sequential()
+    text, end, scores = run(scored(generator, PROMPT, PARAMS))
+    assert text == sequential() and scores == failure_free_scores(PROMPT, PARAMS, pipelined=False)
     moved_off(generator, end, runners, address)
 
 

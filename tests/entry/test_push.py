@@ -16,16 +16,18 @@ from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from tests.conftest import run
-from tests.entry.fakes import fake_mesh
-from tests.entry.test_failover import PARAMS, PROMPT, failure_free, kill_at
+from tests.entry.fakes import fake_mesh, scored
+from tests.entry.test_failover import PARAMS, PROMPT, failure_free, failure_free_scores, kill_at
 from tests.entry.test_generation import collect
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_pushed_steps_give_the_relayed_output(pipelined: bool) -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16, push=True, pipelined=pipelined)
-    text, end = run(collect(generator, PROMPT, PARAMS))
-    assert text == failure_free()
+    generator, transport, runners = fake_mesh(
+        chunk_tokens=16, push=True, pipelined=pipelined, context=True
+    )
+    text, end, scores = run(scored(generator, PROMPT, PARAMS))
+    assert text == failure_free() and scores == failure_free_scores()
     # 50 prompt tokens in 4 chunks, then 19 decode steps: each one push through both hops;
     # a pipelined prompt's chunks go hop by hop (ADR-0036), its decode steps pushed
     assert transport.pushes == (0 if pipelined else 4) + 19
@@ -37,10 +39,12 @@ def test_pushed_steps_give_the_relayed_output(pipelined: bool) -> None:
     [("a", 55), ("b", 50), ("b", 68), ("a", 16), ("b", 32), ("a", 0)],
 )
 def test_a_hop_failing_mid_push_costs_a_pause_and_nothing_else(address: str, position: int) -> None:
-    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True, push=True)
+    generator, transport, runners = fake_mesh(
+        chunk_tokens=16, replicas=True, push=True, context=True
+    )
     kill_at(transport, address, position)
-    text, end = run(collect(generator, PROMPT, PARAMS))
-    assert text == failure_free()
+    text, end, scores = run(scored(generator, PROMPT, PARAMS))
+    assert text == failure_free() and scores == failure_free_scores()
     moved_off(generator, end, runners, address)
 
 

@@ -73,10 +73,10 @@ def Liar(runner: EchoRunner, position: int, scale: float = 0.5) -> Lying:  # noq
     return Lying(runner, position, lambda m, h: (m, h + scale * h.abs().max()))
 
 
-def checked_mesh(rate: float, copies: tuple[str, ...] = ("b3",)):  # type: ignore[no-untyped-def]
+def checked_mesh(rate: float, copies: tuple[str, ...] = ("b3",), context: bool = False):  # type: ignore[no-untyped-def]
     checker = SpotChecker(rate, random.Random(0), Bans(ban_s=600.0))
     generator, transport, runners = fake_mesh(
-        chunk_tokens=16, replicas=True, copies=copies, spot_checker=checker
+        chunk_tokens=16, replicas=True, copies=copies, spot_checker=checker, context=context
     )
     return generator, transport, runners, checker
 
@@ -93,7 +93,9 @@ def checked_run(generator, checker):  # type: ignore[no-untyped-def]
 
 
 def test_honest_copies_pass_every_check_and_leave_no_sessions() -> None:
-    generator, transport, runners, checker = checked_mesh(rate=1.0)
+    """Context runners: an answer is never its input, so a check that compared an answer
+    with the input it re-ran (not with the re-run's output) would ban honest copies."""
+    generator, transport, runners, checker = checked_mesh(rate=1.0, context=True)
     text, _ = checked_run(generator, checker)
     assert text == failure_free()
     metrics = generator.pipeline.metrics
