@@ -6,7 +6,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -44,7 +44,50 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ[name] = value
 
 
+# The end-to-end modules whose tests share one real mesh (`tests/e2e/conftest.py`)
+SHARED_MESH_MODULES = {
+    f"tests/e2e/test_{name}_mesh.py"
+    for name in ("access", "dashboard", "entry", "failover", "limits")
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    check_mesh_modules(items)
+    skip_gpu_tests(items)
+
+
+def check_mesh_modules(items: list[pytest.Item]) -> None:
+    """Every test on the shared mesh lives in `SHARED_MESH_MODULES`: the parallel run sends
+    those modules to one worker (`pytest_xdist_make_scheduler`), so the mesh starts once."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if "shared_mesh" in getattr(item, "fixturenames", ()) and module not in SHARED_MESH_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the shared mesh: add {module} to "
+                "SHARED_MESH_MODULES in tests/conftest.py"
+            )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `-n`, the tests of one real mesh stay in one worker (the shared mesh's modules
+    together, each other end-to-end module whole); every other test goes wherever a
+    worker is free. (`--dist loadgroup` does not group under pytest 9 with xdist 3.8.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MeshScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            if module in SHARED_MESH_MODULES:
+                return "shared-mesh"
+            return module if module.startswith("tests/e2e/") else nodeid
+
+    return MeshScheduling(config, log)
+
+
+def skip_gpu_tests(items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA device: where PyTorch sees none they are skipped, with why."""
     if not any(item.get_closest_marker("gpu") for item in items):
         return

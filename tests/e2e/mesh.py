@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from meshnet.types import LayerSpan
-from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import free_port, get_json, start, stop, stop_together, wait_for
 
 BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NODES = ("a", "b", "c", "d")
@@ -152,8 +152,7 @@ class Mesh:
                 self.restart(name)
 
     def stop_all(self) -> None:
-        for process in self.procs.values():
-            stop(process)
+        stop_together(self.procs.values())
 
     def coverage(self) -> dict[str, Any]:
         result: dict[str, Any] = get_json(f"{self.url}/v1/coverage")

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +54,21 @@ def get_json(url: str) -> Any:
 
 
 def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if process.poll() is None:
+    stop_together([process], sig)
+
+
+def stop_together(
+    processes: Iterable[subprocess.Popen[bytes] | None], sig: int = signal.SIGTERM
+) -> None:
+    """Signal every running process first, then wait for each (20 s at most in all, then
+    SIGKILL): they drain side by side, not one after another."""
+    running = [p for p in processes if p is not None and p.poll() is None]
+    for process in running:
         process.send_signal(sig)
+    deadline = time.monotonic() + 20
+    for process in running:
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

@@ -12,7 +12,7 @@ import pytest
 
 from meshnet.models.quantize import default_quant, local_layer_bytes, preferred_compute
 from meshnet.models.source import resolve
-from tests.e2e.procs import ask_france, free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import ask_france, free_port, get_json, start, stop_together, wait_for
 
 pytestmark = pytest.mark.slow
 COMPUTE = preferred_compute()  # what this machine (or $MESHNET_COMPUTE_DTYPE) picks
@@ -40,6 +40,4 @@ def test_a_mesh_on_the_defaults_answers(compute: str, tmp_path: Path) -> None:
         content = ask_france(url)
         assert content.startswith("The capital of France is Paris."), content
     finally:
-        for process in (node, tracker):
-            if process is not None:
-                stop(process)
+        stop_together([node, tracker])

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import free_port, get_json, start, stop_together, wait_for
 from tests.models.fixtures import gemma3_gguf
 
 pytestmark = pytest.mark.slow
@@ -51,6 +51,4 @@ def test_a_gemma3_mesh_completes_text(tmp_path: Path) -> None:
                 model=model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
             )
     finally:
-        for process in (node, tracker):
-            if process is not None:
-                stop(process)
+        stop_together([node, tracker])

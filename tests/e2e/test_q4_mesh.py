@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshnet.models.int4 import int4_kernel_runs
-from tests.e2e.procs import ask_france, free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import ask_france, free_port, get_json, start, stop_together, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,6 +36,4 @@ def test_a_mesh_with_a_q4_node_answers(tmp_path: Path) -> None:
         content = ask_france(url)
         assert content.startswith("The capital of France is Paris."), content
     finally:
-        for process in (node, tracker):
-            if process is not None:
-                stop(process)
+        stop_together([node, tracker])

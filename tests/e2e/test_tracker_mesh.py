@@ -15,7 +15,7 @@ import pytest
 
 from meshnet.security.signing import Signer
 from meshnet.terminal import GenerateOptions, run_generate
-from tests.e2e.procs import free_port, get_json, start, stop, wait_for
+from tests.e2e.procs import free_port, get_json, start, stop_together, wait_for
 
 HEARTBEAT_S, DEAD_AFTER_S = 0.5, 2.0
 # fp32 layers of the default model are 14,160,384 bytes; with the 10% KV reserve, 165 MB
@@ -77,8 +77,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         wait_for(lambda: get_json(f"{url}/health")["status"] == "ok", 60, "the tracker")
         yield state
     finally:
-        for process in procs.values():
-            stop(process)
+        stop_together(procs.values())
 
 
 @pytest.mark.slow
@@ -321,5 +320,4 @@ def test_one_tracker_answers_for_two_models_each_with_its_own_entry(
             assert routes["default"][0]["address"] == "local"
             assert routes["second"][0]["address"] == "local"  # local to the other entry
     finally:
-        for process in procs:
-            stop(process)
+        stop_together(procs)

