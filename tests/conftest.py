@@ -44,6 +44,29 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ[name] = value
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    share_cores_among_workers()
+
+
+def share_cores_among_workers() -> None:
+    """Under pytest-xdist each worker, and every process it starts, keeps to its own cores
+    with one OpenMP thread a core. Two workers with two threads each (and their meshes'
+    processes) on two cores ran model tests up to 7x slower: an OpenMP team waits at every
+    barrier for a thread the other worker's threads pushed off its core. meshnet processes
+    size their compute threads by this affinity (`node/compute.py`)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker is None:
+        return
+    import torch
+
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[int(worker.removeprefix("gw")) % len(cores) :: count] or cores
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # processes it starts (benchmarks)
+    torch.set_num_threads(len(mine))
+
+
 # The end-to-end modules whose tests share one real mesh (`tests/e2e/conftest.py`)
 SHARED_MESH_MODULES = {
     f"tests/e2e/test_{name}_mesh.py"
