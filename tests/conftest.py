@@ -76,6 +76,9 @@ SHARED_MESH_MODULES = {
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     check_mesh_modules(items)
+    for item in items:  # every end-to-end test starts or uses a mesh of real processes
+        if item.nodeid.startswith("tests/e2e/"):
+            item.add_marker(pytest.mark.mesh)
     skip_gpu_tests(items)
 
 

@@ -102,6 +102,7 @@ def test_churn_benchmark_prints_both_planners() -> None:
     assert all(0 <= float(row[4].strip(" %")) <= 100 for row in rows)
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_pipeline_benchmark_prints_ratios() -> None:
     rows = [
@@ -110,6 +111,7 @@ def test_pipeline_benchmark_prints_ratios() -> None:
     assert len(rows) == 1 and float(rows[0].split("|")[3]) > 0  # the decode ratio
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_decode_benchmark_prints_both_paths() -> None:
     out = run_tiny("decode.py", 400)
@@ -117,6 +119,7 @@ def test_decode_benchmark_prints_both_paths() -> None:
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_concurrency_benchmark_prints_a_row_per_level() -> None:
     rows = [
@@ -155,6 +158,7 @@ def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
     assert len(liar) == 1 and liar[0][2].strip() == "True" and liar[0][3].strip() == "none"
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
     """Real processes behind delaying proxies: the three designs side by side at 0 and 5 ms,
@@ -179,6 +183,7 @@ def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
     assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out
 
 
+@pytest.mark.mesh
 def test_wan_benchmark_shows_auto_compressing_over_the_slow_link() -> None:
     """ADR-0037 end to end: three entries (none, zstd-shuffle, auto) over the same hops, on
     loopback and at 20 Mbit/s; `auto` keeps decode steps raw everywhere and compresses its
@@ -203,6 +208,7 @@ def test_wan_benchmark_shows_auto_compressing_over_the_slow_link() -> None:
     assert all(b <= 368_640 for b in sent[("auto", "unlimited")][-2:])
 
 
+@pytest.mark.mesh
 def test_speculative_benchmark_compares_lookup_with_plain_decoding() -> None:
     """ADR-0038 over real processes: the quote is drafted right, the text is the same."""
     out = run_tiny("speculative.py")
