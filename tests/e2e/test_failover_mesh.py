@@ -26,7 +26,7 @@ from tests.e2e.procs import wait_for
 from tests.e2e.streams import busy_spare, chat, reference_text, stream
 
 pytestmark = pytest.mark.slow
-CHAOS_RUNS = int(os.environ.get("MESHNET_CHAOS_RUNS", "8"))  # benchmarks/chaos.py: 20
+CHAOS_RUNS = int(os.environ.get("MESHNET_CHAOS_RUNS", "4"))  # benchmarks/chaos.py: 20
 
 
 def test_chaos_every_generation_survives_a_killed_hop(mesh: Mesh) -> None:
