@@ -133,6 +133,7 @@ class TrackerConfig:
     port: int = 8000
     heartbeat_interval_s: float = 2.0  # nodes heartbeat this often
     dead_after_s: float = 6.0  # a node silent this long is dead; its spans leave the map
+    suspect_s: float = 30.0  # a node an entry reported failing stays out of routes this long
     route_seed: int | None = None  # fixes replica choice in tests; None = random
     max_nodes: int = 20_000  # registrations beyond this many nodes get 429
     max_nodes_per_address: int = 64  # ...and beyond this many from one address

@@ -31,6 +31,7 @@ BUDGET = "165MB"  # ten fp32 layers of the default model with the 10% KV reserve
 NODES = ("a", "b", "c", "d")
 COPIES = 2  # at least, of each span after the entry's
 API_KEY = "e2e-client-key-0001"  # the `node --entry` process's API key
+SUSPECT_S = 5.0  # the tracker's --suspect-for
 HOP_TIMEOUT_S = 4.0  # both entries give up on a hung hop after this (--hop-timeout)
 # the `node --entry` process's API limits, set by flag (tests/e2e/test_limits_mesh.py)
 ENTRY_LIMITS = {"--max-prompt-tokens": "1000", "--max-tokens-limit": "100", "--max-body": "64KB"}
@@ -61,6 +62,9 @@ class Mesh:
             "tracker",
             ["tracker", "--port", str(self.port), "--layers", "0:10", "--quant", "fp32"]
             + ["--heartbeat-interval", "1", "--data-dir", str(self.folder / "tracker")]
+            # a node an entry reported is out of routes 5 s, not 30: the next test's wait for
+            # a whole mesh (every copy routable) took ~27 s after each failover test
+            + ["--suspect-for", str(SUSPECT_S)]
             + ["--hop-timeout", str(HOP_TIMEOUT_S), "--spot-check-rate", "0"]
             + ["--swarm-key-file", str(self.key_file)],
         )

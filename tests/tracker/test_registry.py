@@ -14,7 +14,7 @@ from meshnet.tracker import views
 from meshnet.tracker.membership import TooManyNodesError
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import PLANNING_SHARE, NodeRecord, Registry
-from meshnet.types import LayerSpan, ModelId
+from meshnet.types import LayerSpan, ModelId, NodeId
 
 MB = 1 << 20
 OFFER = ModelOffer(ModelId("m"), 30, {q: 10 * MB for q in ("fp32", "bf16", "int8", "nf4")})
@@ -171,3 +171,19 @@ def test_a_big_mesh_stretches_the_heartbeat_interval_and_the_dead_time_with_it()
 
 def _record(reg: Registry, name: str) -> NodeRecord:
     return NodeRecord(request(name), reg.clock())
+
+
+@pytest.mark.parametrize(
+    ("suspect_s", "after_s", "suspect"), [(30.0, 29.0, True), (5.0, 4.9, True), (5.0, 5.1, False)]
+)
+def test_a_reported_node_stays_suspect_for_the_configured_time(
+    suspect_s: float, after_s: float, suspect: bool
+) -> None:
+    """`--suspect-for`: how long a node an entry reported stays out of routes."""
+    clock = Clock()
+    reg = registry(clock, suspect_s=suspect_s)
+    reg.register(request("a"))
+    assert reg.report(NodeId("a"), "reset") is True
+    clock.now += after_s
+    reg.heartbeat(msg.HeartbeatRequest(node_id="a"))
+    assert (reg.state(reg.nodes[NodeId("a")], clock.now) == "suspect") is suspect

@@ -79,6 +79,12 @@ def add_tracker_command(sub: Any) -> None:
         "interval in big meshes)",
     )
     tracker.add_argument(
+        "--suspect-for",
+        type=float,
+        default=default.suspect_s,
+        help="seconds a node that an entry reported failing stays out of routes",
+    )
+    tracker.add_argument(
         "--max-nodes",
         type=int,
         default=default.max_nodes,
@@ -308,6 +314,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
         port=args.port,
         heartbeat_interval_s=args.heartbeat_interval,
         dead_after_s=args.dead_after,
+        suspect_s=args.suspect_for,
         max_nodes=args.max_nodes,
         max_nodes_per_address=args.max_nodes_per_address,
     )

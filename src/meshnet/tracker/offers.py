@@ -47,6 +47,7 @@ def build_registry(config: TrackerConfig) -> Registry:
         dead_after_s=config.dead_after_s,
         clock=time.monotonic,
         heartbeat_interval_s=config.heartbeat_interval_s,
+        suspect_s=config.suspect_s,
         max_nodes=config.max_nodes,
         max_per_address=config.max_nodes_per_address,
     )

@@ -35,7 +35,7 @@ from meshnet.types import ModelId, NodeId, SourceKind
 
 log = logging.getLogger(__name__)
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
-SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long
+SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long (default)
 CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
 PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
 QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
@@ -93,6 +93,7 @@ class Registry:
         dead_after_s: float,
         clock: Callable[[], float],
         heartbeat_interval_s: float | None = None,
+        suspect_s: float = SUSPECT_S,
         metrics: Metrics | None = None,
         max_nodes: int = 20_000,
         max_per_address: int = 64,
@@ -103,6 +104,7 @@ class Registry:
         self.source_kinds: dict[ModelId, SourceKind] = {}  # ... and what kind of source it is
         self.base_dead_after_s = dead_after_s
         self.base_interval_s = heartbeat_interval_s or dead_after_s / 3
+        self.suspect_s = suspect_s  # how long a reported node stays out of routes
         self.clock = clock
         self.timer = timer  # measures what a plan costs (real seconds)
         self.metrics = metrics or Metrics()
@@ -230,13 +232,13 @@ class Registry:
             check_token(record.token, token, node_id)
 
     def report(self, node_id: NodeId, reason: str) -> bool:
-        """An entry node saw `node_id` fail: keep it out of routes for `SUSPECT_S`."""
+        """An entry node saw `node_id` fail: keep it out of routes for `suspect_s`."""
         with self.lock:
             record = self.nodes.get(node_id)
             if record is None:
                 return False
             log.warning("node %s reported failing: %s", node_id, reason)
-            record.suspect_until_s = self.clock() + SUSPECT_S
+            record.suspect_until_s = self.clock() + self.suspect_s
             return True
 
     def expire(self) -> list[NodeId]:
