@@ -27,7 +27,7 @@ from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner
 from meshnet.text.codec import CharCodec
-from meshnet.text.events import Delta, Finished
+from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta
@@ -100,13 +100,17 @@ class ContextHead(CountingHead):
         return out
 
 
+async def events_of(generator: Generator, prompt: str, params: GenerationParams) -> list[Event]:
+    """Every event of one request for `prompt`, in order."""
+    return [e async for e in generator.stream(generator.codec.encode(prompt), params)]
+
+
 async def scored(
     generator: Generator, prompt: str, params: GenerationParams
 ) -> tuple[str, Finished, list[float]]:
     """One answer's text, end and each token's logprob (asked for here): over context
     runners the logprobs show what every cache held when each token was chosen."""
-    asked = replace(params, logprobs=params.logprobs or 0)
-    events = [e async for e in generator.stream(generator.codec.encode(prompt), asked)]
+    events = await events_of(generator, prompt, replace(params, logprobs=params.logprobs or 0))
     end = events[-1]
     assert isinstance(end, Finished)
     text = "".join(e.text for e in events if isinstance(e, Delta))

@@ -16,7 +16,7 @@ from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.wire import FrameMeta
 from tests.conftest import run
-from tests.entry.fakes import fake_mesh, scored
+from tests.entry.fakes import events_of, fake_mesh, scored
 from tests.entry.test_failover import kill_at
 
 GREEDY = GenerationParams(10, (), SamplingParams(temperature=0.0))
@@ -170,7 +170,7 @@ def test_forked_answers_score_as_a_request_alone_would(push: bool) -> None:
     are the single request's: a fork that copied a token too many or too few would show."""
     params = replace(GREEDY, logprobs=0)
     generator, _, _ = fake_mesh(chunk_tokens=16, push=push, context=True)
-    events = run(gather(generator, PROMPT, replace(params, n=3)))
+    events = run(events_of(generator, PROMPT, replace(params, n=3)))
     by_answer: dict[int, list[float]] = {}
     for e in events:
         by_answer.setdefault(e.index, []).extend(s.logprob for s in getattr(e, "logprobs", ()))
@@ -178,7 +178,3 @@ def test_forked_answers_score_as_a_request_alone_would(push: bool) -> None:
     alone_scores = run(scored(single, PROMPT, params))[2]
     assert len(alone_scores) == 10 and len(set(alone_scores)) > 1
     assert by_answer == {i: alone_scores for i in range(3)}
-
-
-async def gather(generator: object, prompt: str, params: GenerationParams) -> list[Event]:
-    return [e async for e in generator.stream(generator.codec.encode(prompt), params)]  # type: ignore[attr-defined]

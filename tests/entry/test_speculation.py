@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from meshnet.entry.generation import Generator
 from meshnet.entry.session import PipelineSession
 from meshnet.node.runner import EchoRunner
 from meshnet.text.events import Finished
@@ -16,7 +15,7 @@ from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import SessionId
 from meshnet.wire import FrameMeta
 from tests.conftest import run
-from tests.entry.fakes import fake_mesh
+from tests.entry.fakes import events_of, fake_mesh, scored
 from tests.entry.test_failover import kill_at
 from tests.entry.test_generation import collect
 
@@ -56,16 +55,9 @@ def test_greedy_output_with_drafts_equals_plain_decoding(prompt: str, push: bool
 
 def scored_run(prompt: str, drafts: int, **mesh: object) -> tuple[str, Finished, list[float]]:
     """Greedy text, end and each token's logprob over context runners."""
-    params = GenerationParams(12, (), SamplingParams(temperature=0.0), logprobs=0)
+    params = GenerationParams(12, (), SamplingParams(temperature=0.0))
     generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, context=True, **mesh)  # type: ignore[arg-type]
-    events = run(gather(generator, prompt, params))
-    end = next(e for e in events if isinstance(e, Finished))
-    scores = [s.logprob for e in events for s in getattr(e, "logprobs", ())]
-    return generator.codec.decode(end.token_ids), end, scores
-
-
-async def gather(generator: Generator, prompt: str, params: GenerationParams) -> list[object]:
-    return [e async for e in generator.stream(generator.codec.encode(prompt), params)]
+    return run(scored(generator, prompt, params))
 
 
 def test_drafts_and_accepted_ones_are_counted_in_metrics() -> None:
@@ -214,11 +206,7 @@ def test_every_token_is_scored_under_the_row_that_chose_it(
     params = GenerationParams(12, (), SamplingParams(temperature=temperature, seed=5), logprobs=1)
     generator, _, _ = fake_mesh(chunk_tokens=16, max_drafts=drafts, margin=3.0)
     ids = generator.codec.encode(PROMPTS[prompt])
-
-    async def events() -> list[object]:
-        return [e async for e in generator.stream(ids, params)]
-
-    got = run(events())
+    got = run(events_of(generator, PROMPTS[prompt], params))
     scores = [s for e in got for s in getattr(e, "logprobs", ())]
     end = next(e for e in got if isinstance(e, Finished))
     assert [s.token for s in scores] == end.token_ids and len(scores) == 12
