@@ -251,7 +251,11 @@ def test_openai_client_round_trip_with_a_tool(mesh: Mesh) -> None:
     second = client.chat.completions.create(
         model="default", messages=messages, tools=[weather], temperature=0, max_tokens=40
     )
-    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    after = second.choices[0]
+    assert after.finish_reason in ("stop", "length", "tool_calls")
+    assert (after.message.content or "").strip() or after.message.tool_calls
+    assert second.usage and first.usage  # the call and its result were read into the prompt
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     streamed = client.chat.completions.create(
         model="default",
         messages=messages[:1],
