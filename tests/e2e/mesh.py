@@ -174,6 +174,10 @@ class Mesh:
         wanted = {*self.addresses.values(), self.entry}
         return wanted <= loaded and self.copies() >= COPIES
 
+    def settled(self) -> bool:
+        """No node is loading a span (a load holds its node's compute thread, ADR-0047)."""
+        return not any(n["loading"] for n in self.coverage()["nodes"])
+
     def wait_whole(self, timeout_s: float = 120) -> None:
         wait_for(self.whole, timeout_s, "every node serving and every span copied")
 
