@@ -23,8 +23,9 @@ import aiohttp
 import httpx
 import torch
 
+from meshnet.security.ownership import PROCESS_KEYS, PROOF
 from meshnet.security.signing import Signer
-from meshnet.types import LayerSpan, ModelId, SessionId
+from meshnet.types import LayerSpan, ModelId
 from meshnet.wire import FrameMeta, decode, encode
 
 SERVER = """
@@ -51,7 +52,7 @@ def free_port() -> int:
 async def round_trips(url: str, count: int, hidden: int, client_name: str) -> list[float]:
     """Seconds per hop: encode, POST, read, decode, on one kept-alive connection."""
     x = torch.randn(1, 1, hidden)
-    session = SessionId(f"hop-{client_name.replace(' ', '-')}-{hidden}")
+    session = PROCESS_KEYS.new_id("hop")  # each frame signed as the entry signs it (ADR-0049)
     metas = [FrameMeta(session, ModelId("default"), LayerSpan(0, 10), p) for p in range(count)]
     samples = []
     if client_name == "httpx":
@@ -59,8 +60,9 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
             for meta in metas:
                 start = time.perf_counter()
                 frame = encode(x, meta)
+                owned = {PROOF: PROCESS_KEYS.frame_proof(meta, (meta.span,))}
                 response = await client.post(
-                    "/forward", headers=frame.headers, content=bytes(frame.body)
+                    "/forward", headers=frame.headers | owned, content=bytes(frame.body)
                 )
                 decode(response.headers, response.content)
                 samples.append(time.perf_counter() - start)
@@ -70,6 +72,7 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
         for meta in metas:
             start = time.perf_counter()
             frame = encode(x, meta)
+            frame.headers[PROOF] = PROCESS_KEYS.frame_proof(meta, (meta.span,))
             body = bytes(frame.body)
             to = "unregistered"  # a node that never joined a tracker
             proof = signer.headers("POST", "/forward", body, to=to, headers=frame.headers)

@@ -16,6 +16,7 @@
     ├── RequestError                a client request the API cannot take (400)
     │   └── UnknownModelError       the request names a model this entry does not serve (404)
     ├── AuthError                   no valid swarm-key proof or API key (401)
+    ├── SessionOwnerError           a session call its opening entry did not sign (403)
     ├── LimitError                  a configured limit refuses the call for now (429)
     └── ConfigError                 a configuration meshnet refuses to start with
 
@@ -195,6 +196,16 @@ class AuthError(MeshError):
     def headers(self) -> dict[str, str]:
         scheme = "Bearer" if self.field == "Authorization" else "Meshnet-Swarm"
         return {"WWW-Authenticate": scheme}
+
+
+class SessionOwnerError(MeshError):
+    """A call on a session without its opening entry's signature (ADR-0049); nothing done."""
+
+    http_status = 403
+
+    @property
+    def code(self) -> str | None:
+        return "not_your_session"
 
 
 class LimitError(MeshError):

@@ -248,3 +248,20 @@ def test_a_hop_that_no_longer_serves_the_layers_is_skipped_but_not_reported() ->
     assert text == failure_free() and len(end.failover_pauses_s) == 1
     routes = generator.pipeline.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == []  # still routable
+
+
+def test_a_hop_that_lost_the_session_answers_409_and_a_copy_takes_over() -> None:
+    """Idle expiry or eviction drops a session on one hop mid-answer: its next step gets
+    409 (unknown session) and the entry replays the session into the other copy. (The
+    end-to-end mesh can no longer drop another entry's session from outside: ADR-0049.)"""
+    generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True, context=True)
+
+    def evict(to: str, meta: FrameMeta) -> None:
+        if to == "b" and meta.position == 55:
+            assert runners["b"].drop(meta.session)
+
+    transport.before_frame = evict  # type: ignore[attr-defined]
+    text, end, scores = run(scored(generator, PROMPT, PARAMS))
+    assert text == failure_free() and scores == failure_free_scores()
+    assert len(end.failover_pauses_s) == 1
+    assert [h.node_id for h in end.route][1:] == ["node-a", "node-b2"]

@@ -30,8 +30,11 @@ from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 from tests.entry.test_failover import PARAMS, PROMPT, Poisoned, failure_free
 from tests.entry.test_generation import collect
+from tests.owned import new_session
 
 Twist = Callable[[FrameMeta, torch.Tensor], tuple[FrameMeta, torch.Tensor]]
+
+SESSION = new_session()  # this process's entry signs for it (ADR-0049)
 
 
 class Lying:
@@ -87,7 +90,7 @@ def ask(
         port = server.servers[0].sockets[0].getsockname()[1]
         transport = HttpTransport(limits=limits, signer=signer)
         hop = Hop(NodeId(node_id), f"http://127.0.0.1:{port}", LayerSpan(2, 4))
-        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+        meta = FrameMeta(SESSION, ModelId("m"), LayerSpan(2, 4), 0)
         try:
             return await transport.forward(hop, meta, torch.ones(1, 3, 8))
         except HopError as failed:
@@ -112,7 +115,7 @@ def answer_frame(hidden: torch.Tensor, meta: FrameMeta) -> tuple[dict[str, str],
 
 
 def test_an_answer_over_the_body_cap_is_refused_as_the_hops_failure() -> None:
-    meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+    meta = FrameMeta(SESSION, ModelId("m"), LayerSpan(2, 4), 0)
     headers, body = answer_frame(torch.ones(1, 3000, 8), meta)  # 48 KB for a 48-byte step
     app = Starlette()
 
@@ -149,7 +152,7 @@ def test_a_gzip_bomb_is_never_inflated() -> None:
 def test_an_answer_for_another_session_position_or_span_is_refused(
     change: dict[str, object],
 ) -> None:
-    sent = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+    sent = FrameMeta(SESSION, ModelId("m"), LayerSpan(2, 4), 0)
     hidden = torch.ones(1, 3, 8)
     hop = Hop(NodeId("liar"), "http://liar:1", LayerSpan(2, 4))
     honest = checked_output(hop, *answer_frame(hidden, sent), WireLimits(), sent, hidden)
@@ -183,7 +186,7 @@ def test_an_unsigned_answer_is_that_hops_failure() -> None:
     app = Starlette()
 
     async def forward(request: Request) -> Response:
-        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+        meta = FrameMeta(SESSION, ModelId("m"), LayerSpan(2, 4), 0)
         headers, body = answer_frame(torch.ones(1, 3, 8), meta)
         await request.body()
         return Response(body, headers=headers, media_type="application/octet-stream")

@@ -9,6 +9,7 @@ holds no session (none leaked).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,21 +21,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshnet.config import AccessConfig, WireLimits
+from meshnet.errors import MeshError
 from meshnet.models.loader import load_shard
 from meshnet.models.source import resolve
 from meshnet.node.app import create_app
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, decode, encode
+from meshnet.wire import FrameMeta, decode
 from meshnet.wire import headers as h
 from tests.conftest import run
 from tests.fuzz.harness import KEY, SigningProxy, record, report
+from tests.owned import close_proof, encode, new_session, proof
 from tests.wire.test_fuzz import values
 
 pytestmark = pytest.mark.slow
 SPAN, MODEL = LayerSpan(2, 4), ModelId("tiny")
 PREFILL, STEP = torch.randn(1, 4, 64), torch.randn(1, 1, 64)
 LIMITS = WireLimits(max_body_bytes=1 << 16, max_tensor_bytes=1 << 16)
+LIVE, OTHER = new_session(), new_session()
 
 bodies = st.one_of(
     st.just("valid"),
@@ -44,7 +48,7 @@ bodies = st.one_of(
 )
 choices = {
     **values,
-    h.SESSION: st.sampled_from(["live", "other", "", "a b", "x" * 200]),
+    h.SESSION: st.sampled_from([LIVE, OTHER, "", "a b", "x" * 200]),
     h.LAYERS: st.sampled_from(["2:4", "0:2", "2:5", "4:2", "x"]),
     h.MODEL: st.sampled_from(["tiny", "other", ""]),
     h.SHAPE: st.sampled_from(["1,1,64", "1,2,64", "2,1,64", "1,1,63", "1,0,64", "1,9999,64"]),
@@ -87,7 +91,7 @@ def test_forward_fuzz_never_crashes_corrupts_or_leaks(
     async def delete(sid: str) -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
-            await client.delete(f"/sessions/{sid}")
+            await client.delete(f"/sessions/{sid}", headers=close_proof(sid, "unregistered"))
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
     @given(
@@ -96,23 +100,25 @@ def test_forward_fuzz_never_crashes_corrupts_or_leaks(
         drop=st.sets(st.sampled_from(list(values)), max_size=1),
     )
     def one(changes: dict[str, str], body: object, drop: set[str]) -> None:
-        for sid in ("live", "other"):  # a failed example may have left them
+        for sid in (LIVE, OTHER):  # a failed example may have left them
             run(delete(sid))
-        live_headers, live_body = session_frame("live", 0, PREFILL)
+        live_headers, live_body = session_frame(LIVE, 0, PREFILL)
         assert run(post(live_headers, live_body)).status_code == 200
-        headers, valid = session_frame("live", 4, STEP)
+        headers, valid = session_frame(LIVE, 4, STEP)
         headers = {k: v for k, v in (headers | changes).items() if k not in drop}
+        with contextlib.suppress(MeshError):  # signed anew, as its entry would: the node
+            headers |= proof(h.parse_meta(h.lower_keys(headers)))  # judges the change itself
         payload = {"valid": valid, "cut": valid[:-3]}.get(body, body)  # type: ignore[call-overload]
         response = run(post(headers, payload))
         record("node POST /forward", response.status_code)
         assert response.status_code < 500, response.text
         if response.status_code >= 400:
             assert response.json()["error"]["message"]
-            step_headers, step_body = session_frame("live", 4, STEP)
+            step_headers, step_body = session_frame(LIVE, 4, STEP)
             step = run(post(step_headers, step_body))
             assert step.status_code == 200, step.text
             assert torch.equal(decode(step.headers, step.content)[1], expected)
-        for sid in ("live", "other"):
+        for sid in (LIVE, OTHER):
             run(delete(sid))
         assert runner.session_count() == 0
 

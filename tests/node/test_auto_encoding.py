@@ -15,11 +15,12 @@ from meshnet.entry.transport import HttpTransport
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.runner import EchoRunner
 from meshnet.security.signing import Signer
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId
 from meshnet.wire import FrameMeta
 from meshnet.wire.links import LinkRates
 from tests.conftest import run
 from tests.e2e.slowlink import Link, LinkProxy
+from tests.owned import new_session
 from tests.security.test_server import serving
 
 KEY = "auto-encoding-test-key-0123456789abcdef"
@@ -51,7 +52,7 @@ async def traffic(transport: HttpTransport, hops: list[Hop], session: str, chunk
     step, chunk = torch.randn(1, 1, 576), torch.randn(1, 128, 576)
     try:
         for target in hops:
-            meta = FrameMeta(SessionId(f"{session}-{target.node_id}"), MODEL, SPAN, 0)
+            meta = FrameMeta(new_session(), MODEL, SPAN, 0)
             await transport.forward(target, meta, step)
             for i in range(chunks):
                 at = FrameMeta(meta.session, MODEL, SPAN, 1 + 128 * i)

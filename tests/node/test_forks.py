@@ -5,6 +5,7 @@ nothing."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 from meshnet.config import WireLimits
-from meshnet.errors import LimitError, SessionError, SessionNotFoundError, WireError
+from meshnet.errors import (
+    LimitError,
+    MeshError,
+    SessionError,
+    SessionNotFoundError,
+    WireError,
+)
 from meshnet.models.cache import cache_length
 from meshnet.models.loader import load_shard
 from meshnet.models.source import resolve
@@ -22,10 +29,12 @@ from meshnet.node.app import create_app
 from meshnet.node.runner import EchoRunner
 from meshnet.node.sessions import SessionStore
 from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.security.ownership import PROCESS_KEYS, PROOF
 from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, encode
+from meshnet.wire import FrameMeta
 from meshnet.wire import headers as h
 from tests.conftest import run
+from tests.owned import encode, new_session, proof
 
 SPAN = LayerSpan(0, 2)
 
@@ -143,6 +152,11 @@ def test_fork_headers_round_trip_and_bad_ones_are_refused() -> None:
         assert error.value.field == h.FORK
 
 
+PARENT = new_session()
+FAMILY = {"s1": PROCESS_KEYS.child_id(PARENT), "nobody": PROCESS_KEYS.child_id(PARENT)}
+FAMILY |= {"p": PARENT, "stranger": new_session()}  # another family: another entry's session
+
+
 @pytest.mark.parametrize(
     ("fork", "position", "status", "field"),
     [
@@ -150,16 +164,20 @@ def test_fork_headers_round_trip_and_bad_ones_are_refused() -> None:
         ("s1", 4, 400, h.FORK),  # the session itself
         ("nobody", 4, 409, h.FORK),  # unknown here, as an unknown session is
         ("p", 9, 409, h.FORK),  # past what the parent holds
+        ("stranger", 4, 403, PROOF),  # not its own entry's session (ADR-0049)
     ],
 )
 def test_bad_forks_over_http_get_json_errors(
     fork: str, position: int, status: int, field: str
 ) -> None:
     runner = EchoRunner(ModelId("tiny"), SPAN)
-    runner.forward(meta("p", 0), torch.zeros(1, 6, 16))
+    runner.forward(FrameMeta(PARENT, ModelId("tiny"), SPAN, 0), torch.zeros(1, 6, 16))
     app = create_app(runner, WireLimits())
-    frame = encode(torch.randn(1, 1, 16), replace(meta("s1", position)))
-    headers = {**frame.headers, h.FORK: fork}
+    sent = FrameMeta(FAMILY["s1"], ModelId("tiny"), SPAN, position)
+    frame = encode(torch.randn(1, 1, 16), sent)
+    headers = {**frame.headers, h.FORK: FAMILY.get(fork, fork)}
+    with contextlib.suppress(MeshError):  # signed as its entry would sign it
+        headers |= proof(h.parse_meta(h.lower_keys(headers)))
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

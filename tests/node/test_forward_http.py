@@ -8,16 +8,19 @@ import torch
 import zstandard
 
 from meshnet.config import WireConfig, WireLimits
+from meshnet.errors import MeshError
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.runner import EchoRunner, Frame
 from meshnet.node.scheduler import Failed
-from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, decode, encode
+from meshnet.types import LayerSpan, ModelId
+from meshnet.wire import FrameMeta, decode
 from meshnet.wire import headers as h
 from tests.conftest import run
+from tests.owned import Sessions, encode, proof
 
 SPAN = LayerSpan(0, 10)
-META = FrameMeta(SessionId("s1"), ModelId("default"), SPAN, position=0)
+SID = Sessions()
+META = FrameMeta(SID["s1"], ModelId("default"), SPAN, position=0)
 GOOD = encode(torch.randn(1, 4, 16), META)
 
 
@@ -28,7 +31,13 @@ async def post(app: object, headers: dict[str, str], body: bytes) -> httpx.Respo
 
 
 def with_header(name: str, value: str) -> dict[str, str]:
-    return {**GOOD.headers, name: value}
+    """GOOD's headers with one changed, signed again where they still make a frame (so
+    that the node refuses what the header says, not a stale proof)."""
+    headers = {**GOOD.headers, name: value}
+    try:
+        return headers | proof(h.parse_meta(h.lower_keys(headers)))
+    except MeshError:
+        return headers
 
 
 BAD = [
@@ -168,13 +177,13 @@ def test_new_sessions_over_the_node_limit_get_429_and_old_ones_go_on() -> None:
     service = NodeService([runner], WireLimits(), WireConfig(), max_sessions=2)
     app = create_app(service=service)
     for sid in ("s1", "s2"):
-        frame = encode(torch.randn(1, 4, 16), FrameMeta(SessionId(sid), META.model, SPAN, 0))
+        frame = encode(torch.randn(1, 4, 16), FrameMeta(SID[sid], META.model, SPAN, 0))
         assert run(post(app, frame.headers, bytes(frame.body))).status_code == 200
-    third = encode(torch.randn(1, 4, 16), FrameMeta(SessionId("s3"), META.model, SPAN, 0))
+    third = encode(torch.randn(1, 4, 16), FrameMeta(SID["s3"], META.model, SPAN, 0))
     refused = run(post(app, third.headers, bytes(third.body)))
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-    step = encode(torch.randn(1, 1, 16), FrameMeta(SessionId("s1"), META.model, SPAN, 4))
+    step = encode(torch.randn(1, 1, 16), FrameMeta(SID["s1"], META.model, SPAN, 4))
     assert run(post(app, step.headers, bytes(step.body))).status_code == 200
     assert runner.session_count() == 2 and service.refused_sessions == 1
 
@@ -200,7 +209,7 @@ def test_decode_frames_of_concurrent_sessions_share_a_batch_and_answer_their_own
     runner = BatchingEcho()
     service = NodeService([runner], WireLimits(), WireConfig(), batch_wait_s=0.05)
     app = create_app(service=service)
-    sessions = [SessionId(f"s{i}") for i in range(6)]
+    sessions = [SID[f"s{i}"] for i in range(6)]
 
     async def scenario() -> list[httpx.Response]:
         for sid in sessions:  # prefill: 4 tokens each, alone
@@ -237,7 +246,7 @@ def test_session_limit_holds_while_steps_are_batched() -> None:
 
     async def scenario() -> list[int]:
         frames = [
-            encode(torch.randn(1, 1, 16), FrameMeta(SessionId(f"n{i}"), META.model, SPAN, 0))
+            encode(torch.randn(1, 1, 16), FrameMeta(SID[f"n{i}"], META.model, SPAN, 0))
             for i in range(5)
         ]
         answers = await asyncio.gather(*(post(app, f.headers, bytes(f.body)) for f in frames))

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from meshnet.security.signing import Signer
-from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, decode, encode
+from meshnet.types import LayerSpan, ModelId
+from meshnet.wire import FrameMeta, decode
 from meshnet.wire import headers as h
+from tests.owned import close_proof, encode, new_session
 
 KEY = "node-process-test-key-padded-to-128-bits-0123456789"
 
@@ -71,7 +72,7 @@ def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
     health = httpx.get(f"{node_url}/health").json()
     assert health["span"] == "10:20" and health["model"] == "default"
     x = torch.randn(1, 130, 576)
-    meta = FrameMeta(SessionId("e2e"), ModelId("default"), LayerSpan(10, 20), 0)
+    meta = FrameMeta(new_session(), ModelId("default"), LayerSpan(10, 20), 0)
     frame = encode(x, meta)
     unsigned = httpx.post(f"{node_url}/forward", headers=frame.headers, content=bytes(frame.body))
     assert unsigned.status_code == 401 and unsigned.json()["error"]["field"] == "X-Meshnet-Auth"
@@ -92,5 +93,8 @@ def test_real_node_runs_its_span_and_refuses_bad_frames(node_url: str) -> None:
             client.post("/forward", headers=step.headers, content=bytes(step.body)).status_code
             == 200
         )
-        assert client.delete("/sessions/e2e").status_code == 200
+        anyone = client.delete(f"/sessions/{meta.session}")  # a member, not its entry
+        assert anyone.status_code == 403, anyone.text
+        closing = close_proof(meta.session, health["node_id"])
+        assert client.delete(f"/sessions/{meta.session}", headers=closing).status_code == 200
         assert httpx.get(f"{node_url}/health").json()["sessions"] == 0  # open: unsigned

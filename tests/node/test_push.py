@@ -17,11 +17,12 @@ from meshnet.node.app import NodeService, create_app
 from meshnet.node.push import Inbox, proof_for
 from meshnet.node.runner import EchoRunner
 from meshnet.security.signing import Signer
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
-from meshnet.wire import FrameMeta, encode
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId
+from meshnet.wire import FrameMeta
 from meshnet.wire.route import PushRoute, Reply
 from tests.conftest import run
 from tests.e2e.procs import free_port
+from tests.owned import Sessions, encode
 from tests.security.test_server import serving
 
 KEY = "push-test-swarm-key-0123456789abcdef"
@@ -54,8 +55,11 @@ def chain(
         yield transport, hops, services
 
 
+SID = Sessions()
+
+
 def meta(position: int = 0, session: str = "s-1") -> FrameMeta:
-    return FrameMeta(SessionId(session), MODEL, LayerSpan(10, 20), position)
+    return FrameMeta(SID[session], MODEL, LayerSpan(10, 20), position)
 
 
 async def push(

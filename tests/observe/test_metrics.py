@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 import torch
@@ -9,9 +11,10 @@ import torch
 from meshnet.node.app import create_app
 from meshnet.node.runner import EchoRunner
 from meshnet.observe.metrics import Metrics
-from meshnet.types import LayerSpan, ModelId, SessionId
-from meshnet.wire import FrameMeta, encode
+from meshnet.types import LayerSpan, ModelId
+from meshnet.wire import FrameMeta
 from tests.conftest import run
+from tests.owned import encode, new_session, proof
 
 FAMILIES = [
     ("meshnet_sessions_active", "gauge"),
@@ -53,9 +56,11 @@ async def forward_then_scrape(frames: list[tuple[dict[str, str], bytes]]) -> str
 
 
 def test_a_node_counts_forward_time_bytes_sessions_and_refusals() -> None:
-    meta = FrameMeta(SessionId("s1"), ModelId("default"), LayerSpan(0, 10), position=0)
+    meta = FrameMeta(new_session(), ModelId("default"), LayerSpan(0, 10), position=0)
     good = encode(torch.randn(1, 4, 16), meta)
-    wrong_span = {**good.headers, "X-Meshnet-Layers": "0:5"}
+    wrong_span = {**good.headers, "X-Meshnet-Layers": "0:5"} | proof(
+        replace(meta, span=LayerSpan(0, 5))
+    )
     body = bytes(good.body)
     text = run(forward_then_scrape([(good.headers, body), (wrong_span, body)]))
     samples = dict(

@@ -27,10 +27,11 @@ from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner
 from meshnet.security.tls import client_context, server_options
 from meshnet.status import fetch_coverage
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId
 from meshnet.wire import FrameMeta
 from tests.conftest import run
 from tests.e2e.procs import free_port, start, stop, wait_for
+from tests.owned import new_session
 
 
 def _name(text: str) -> x509.Name:
@@ -137,7 +138,7 @@ def test_frames_cross_an_https_hop_with_the_mesh_ca(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         hop = Hop(NodeId("unregistered"), f"https://127.0.0.1:{port}", LayerSpan(2, 4))
-        meta = FrameMeta(SessionId("s"), ModelId("m"), LayerSpan(2, 4), 0)
+        meta = FrameMeta(new_session(), ModelId("m"), LayerSpan(2, 4), 0)
         results: list[object] = []
         for context in (client_context(tls), client_context(TlsConfig())):
             transport = HttpTransport(tls=context)
@@ -147,7 +148,7 @@ def test_frames_cross_an_https_hop_with_the_mesh_ca(tmp_path: Path) -> None:
                 results.append(exc)
             finally:
                 await transport.aclose()
-            meta = FrameMeta(SessionId("s2"), ModelId("m"), LayerSpan(2, 4), 0)
+            meta = FrameMeta(new_session(), ModelId("m"), LayerSpan(2, 4), 0)
         server.should_exit = True
         await task
         return results

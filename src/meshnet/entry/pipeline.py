@@ -13,7 +13,6 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -32,7 +31,8 @@ from meshnet.node.executor import Executor
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
-from meshnet.types import Hop, ModelId, NodeId, SessionId
+from meshnet.security.ownership import PROCESS_KEYS, SessionKeys
+from meshnet.types import Hop, ModelId, NodeId
 from meshnet.wire import Chunk, FrameMeta, split_prefill
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,12 @@ class Pipeline:
         push: bool = False,
         pipelined_prefill: bool = True,
         prefill_piece_tokens: int = 512,
+        keys: SessionKeys = PROCESS_KEYS,
     ) -> None:
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
         self.model = model
+        self.keys = keys  # its session ids name keys only this process holds (ADR-0049)
         self.num_layers = num_layers
         self.head = head
         self.local = local
@@ -123,7 +125,7 @@ class Pipeline:
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
         span counts against its process's session limit like any hop's."""
-        session = SessionId(f"s-{uuid.uuid4().hex}")
+        session = self.keys.new_id()
         self.executor.admit_session(session)
         start = self.local.span.end
         try:
@@ -137,7 +139,7 @@ class Pipeline:
         """A new session continuing `parent`'s tokens (fed, none pending): its first frame
         makes every cache, the entry's own included, a copy of `parent`'s (ADR-0045). Counts
         against the session limit like `open`."""
-        child = SessionId(f"s-{uuid.uuid4().hex}")
+        child = self.keys.child_id(parent.id)
         self.executor.admit_session(child)
         return parent.fork(child)
 

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -217,7 +216,7 @@ class SpotChecker:
             )
         except RouteError:
             return None
-        session = SessionId(f"check-{uuid.uuid4().hex}")
+        session = pipeline.keys.new_id("check")
         hidden = sample.inputs
         try:
             for hop in chain:

@@ -25,6 +25,7 @@ from meshnet.node.peers import PeerTimes
 from meshnet.node.push import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, Inbox, passed_back, proof_for
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
+from meshnet.security.ownership import PROCESS_KEYS, PROOF, SessionKeys
 from meshnet.security.signing import Signer
 from meshnet.types import Hop, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
@@ -67,7 +68,9 @@ class HttpTransport:
         reply: Reply | None = None,
         peers: PeerTimes | None = None,
         links: LinkRates | None = None,
+        keys: SessionKeys = PROCESS_KEYS,
     ) -> None:
+        self.keys = keys  # signs for the sessions this process opened (ADR-0049)
         self.peers = peers or PeerTimes()  # the hops it sends to, pinged for their RTT
         self.links = links or LinkRates()  # their links' rates, for `auto` (ADR-0037)
         self.wire = wire
@@ -93,7 +96,10 @@ class HttpTransport:
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        status, headers, body = await self._post(hop, meta, hidden, {}, self.limits.max_body_bytes)
+        owned = {PROOF: self.keys.frame_proof(meta, (hop.span,))}
+        status, headers, body = await self._post(
+            hop, meta, hidden, owned, self.limits.max_body_bytes
+        )
         if status != 200:
             raise hop_error(hop, status, body)
         output = checked_output(hop, headers, body, self.limits, meta, hidden)
@@ -132,6 +138,7 @@ class HttpTransport:
         """The call to the route's first hop; returns once the chain answered it."""
         first = route.hops[0]
         extra = route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
+        extra[PROOF] = self.keys.frame_proof(meta, tuple(hop.span for hop in route.hops))
         status, _, body = await self._post(first, meta, hidden, extra, MAX_ANSWER_BYTES)
         if status != 200:
             raise blamed(route, passed_back(first.node_id, status, body))
@@ -176,11 +183,11 @@ class HttpTransport:
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         path = f"/sessions/{session}"
+        headers = {PROOF: self.keys.close_proof(session, hop.node_id)}
+        headers |= self.signer.headers("DELETE", path, to=hop.node_id, headers=headers)
         try:
             async with self._session().delete(
-                f"{hop.address}{path}",
-                timeout=aiohttp.ClientTimeout(total=5.0),
-                headers=self.signer.headers("DELETE", path, to=hop.node_id),
+                f"{hop.address}{path}", timeout=aiohttp.ClientTimeout(total=5.0), headers=headers
             ) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -41,6 +41,7 @@ from meshnet.node.shards import ShardTable
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard, Rule, rule
+from meshnet.security.ownership import PROOF, check_close, check_frame
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import SessionId, is_valid_id
@@ -149,6 +150,8 @@ class NodeService:
         meta, hidden = decode(request.headers, body, self.limits)
         encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
         self.metrics.bytes_received.labels(encoding).inc(len(body))
+        proof = request.headers.get(PROOF)
+        check_frame(proof, meta)  # only the session's own entry (ADR-0049)
         require_finite(hidden)  # poison must not reach a cache
         lower = h.lower_keys(request.headers)
         route = parse_route(lower)
@@ -159,7 +162,7 @@ class NodeService:
             out = await self._run(meta, hidden)
             self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)
             if route is not None:
-                answer = await self.forwarder.send_on(route, meta, out, budget, started)
+                answer = await self.forwarder.send_on(route, meta, out, budget, started, proof)
                 return JSONResponse(answer, headers=hold_header(received, time.perf_counter()))
         wire = replace(self.wire, encoding=compression.answering(self.wire.encoding, encoding))
         encoded = encode(out, meta, wire)
@@ -232,6 +235,7 @@ class NodeService:
         session = SessionId(request.path_params["session"])
         if not is_valid_id(session):
             raise RequestError(f"invalid session id {session[:128]!r}", field="session")
+        check_close(request.headers.get(PROOF), session, self.node_id)
         self.forget(session)
         self.forwarder.forget(session)
         dropped = [await self.call(r.drop, session) for r in self.shards.runners()]

@@ -30,6 +30,7 @@ from meshnet.config import WireConfig
 from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError
 from meshnet.node.peers import PeerTimes
 from meshnet.observe.metrics import Metrics
+from meshnet.security.ownership import PROOF
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import route_proof
 from meshnet.types import Hop, LayerSpan, SessionId
@@ -103,10 +104,17 @@ class Forwarder:
             self.routes = dict(list(self.routes.items())[MAX_ROUTES // 2 :])
 
     async def send_on(
-        self, route: PushRoute, meta: FrameMeta, out: torch.Tensor, budget_ms: int, since: float
+        self,
+        route: PushRoute,
+        meta: FrameMeta,
+        out: torch.Tensor,
+        budget_ms: int,
+        since: float,
+        session_proof: str | None,
     ) -> dict[str, object]:
         """Post `out` (this hop's output for `meta`) to the next hop or the entry, within what
-        is left of `budget_ms` since `since` (perf_counter s); what the caller is answered."""
+        is left of `budget_ms` since `since` (perf_counter s), with the entry's
+        `session_proof` (it covers every hop of the route); what the caller is answered."""
         after = route.after(self.node_id, meta.span)
         left_s = budget_ms / 1000 - (time.perf_counter() - since)
         if after is not None:
@@ -123,6 +131,8 @@ class Forwarder:
         headers = route.headers(
             proof_for(self.signer, meta, route), int(1000 * SHARE_OF_BUDGET * left_s)
         )
+        if session_proof is not None:
+            headers[PROOF] = session_proof
         await self._post(target, path, sent, out, headers, SHARE_OF_BUDGET * left_s)
         return {"pushed": target.node_id}
 
