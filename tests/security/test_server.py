@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -16,7 +17,11 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
 from meshnet.assemble.http import ServerLimits, server_config
+from meshnet.config import AccessConfig
+from meshnet.security.signing import Signer
 from tests.e2e.procs import free_port
+from tests.security.test_access import ME, SWARM
+from tests.security.test_access import app as guarded_app
 
 LIMITS = ServerLimits(max_header_bytes=4096, header_timeout_s=0.5, max_connections=16)
 
@@ -26,10 +31,10 @@ async def hello(request: Request) -> PlainTextResponse:
 
 
 @contextlib.contextmanager
-def serving(app: Starlette) -> Iterator[int]:
+def serving(app: Starlette, limits: ServerLimits = LIMITS) -> Iterator[int]:
     """`app` under uvicorn as meshnet configures it, in a thread; its port."""
     chosen = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, LIMITS))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -101,3 +106,20 @@ def test_forwarded_headers_never_change_who_the_caller_is(monkeypatch: pytest.Mo
         request = b"GET /who HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\n"
         answer, _ = exchange(chosen, request + b"Connection: close\r\n\r\n")
     assert answer.endswith(b"127.0.0.1")  # the peer, not the header's 203.0.113.9
+
+
+def test_strangers_half_sent_requests_and_refusals_never_keep_members_out() -> None:
+    """Review N1 and N2 from the members' own address: 1,100 half-sent requests held open
+    (more than the 1,024-connection cap) and 61 refused unsigned calls; a member's signed
+    calls still get 200 each time, while the stranger is throttled."""
+    access = AccessConfig(swarm_key=SWARM, max_refusals_per_minute=60)
+    with serving(guarded_app(access), ServerLimits()) as chosen, contextlib.ExitStack() as held:
+        for _ in range(1100):
+            sock = held.enter_context(socket.create_connection(("127.0.0.1", chosen)))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        url = f"http://127.0.0.1:{chosen}"
+        refused = [httpx.post(f"{url}/member").status_code for _ in range(61)]
+        assert set(refused[:60]) == {401} and refused[60] == 429
+        with httpx.Client(base_url=url, auth=Signer(SWARM).auth(ME)) as member:
+            beats = [member.post("/member", content=b"beat").status_code for _ in range(5)]
+        assert beats == [200] * 5

@@ -6,8 +6,9 @@ import pytest
 
 from meshnet.config import AccessConfig
 from meshnet.errors import LimitError
+from meshnet.security.signing import Signer
 from meshnet.security.throttle import RefusalThrottle
-from tests.security.test_access import SWARM, app, send
+from tests.security.test_access import ME, SWARM, app, send
 
 
 def test_a_caller_over_its_refusals_waits_for_the_minute_to_end() -> None:
@@ -44,3 +45,16 @@ def test_the_guard_answers_429_past_the_refusals_and_the_app_sees_nothing() -> N
     good = {"Authorization": "Bearer client-key-1"}
     limited = send(application, "POST", "/api", headers=good)
     assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+
+
+def test_a_members_signed_call_is_never_throttled_by_strangers_on_its_address() -> None:
+    """Review N2: 61 unsigned calls from an address members share (a host, a NAT) got that
+    address's signed heartbeats 429 for a minute, and the tracker declared the nodes dead."""
+    access = AccessConfig(swarm_key=SWARM, max_refusals_per_minute=60)
+    application = app(access)
+    statuses = [send(application, "POST", "/member").status_code for _ in range(61)]
+    assert statuses[:60] == [401] * 60 and statuses[60] == 429  # the stranger is throttled
+    headers = Signer(SWARM).headers("POST", "/member", b"beat", to=ME)
+    member = send(application, "POST", "/member", headers=headers, content=b"beat")
+    assert member.status_code == 200, member.text
+    assert send(application, "POST", "/member").status_code == 429  # the stranger still is

@@ -7,6 +7,12 @@ headers (its keep-alive timeout covers only idle connections between requests), 
 answered 431 and the connection closed; a connection that has not sent a complete set of
 headers `header_timeout_s` after it opened (or after its last response) is closed. Body
 deadlines are the access guard's (`security/body.py`).
+
+Connections that have not finished their first request's headers are also capped, apart
+from the process's connection cap: past `max_pending_connections` the oldest of them is
+closed to make room (review N1: 1,100 half-sent requests held the tracker's 1,024
+connections, every member call got 503 and every node was declared dead). A member sends
+its headers as it connects, so a stranger opening sockets can only evict its own.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ KiB = 1 << 10
 @dataclass(frozen=True)
 class ServerLimits:
     max_connections: int = 1024  # open connections (and requests in flight); 503 beyond
+    max_pending_connections: int = 256  # not done with their first headers; oldest closed
     max_header_bytes: int = 64 * KiB  # request line and headers together; 431 beyond
-    header_timeout_s: float = 10.0  # to send a request's headers, once connected
+    header_timeout_s: float = 3.0  # to send a request's headers, once connected
     keep_alive_s: int = 5  # an idle connection between requests is closed after this
 
 
@@ -39,12 +46,20 @@ class GuardedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header-size cap and a header deadline."""
 
     limits = ServerLimits()  # set per server by `server_config`
+    # this server's connections still sending their first headers, oldest first
+    pending: dict[GuardedHttpTools, None] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_bytes, self._too_large = 0, False
         self._deadline: asyncio.TimerHandle | None = None
         self._arm()
+        self.pending[self] = None
+        if len(self.pending) > self.limits.max_pending_connections:
+            oldest = next(iter(self.pending))
+            self.pending.pop(oldest)
+            log.debug("closing the oldest connection still sending its headers: room for one")
+            oldest.transport.close()
 
     def _arm(self) -> None:
         if self._deadline is not None:
@@ -75,6 +90,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             raise HeadersTooLarge
 
     def on_headers_complete(self) -> None:
+        self.pending.pop(self, None)
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -86,6 +102,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._arm()  # the next request's headers get their own deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.pending.pop(self, None)
         if self._deadline is not None:
             self._deadline.cancel()
         super().connection_lost(exc)
@@ -109,7 +126,7 @@ def server_config(
     app: Any, host: str, port: int, limits: ServerLimits, **extra: Any
 ) -> uvicorn.Config:
     """The uvicorn config of a meshnet process serving `app`."""
-    protocol = type("Guarded", (GuardedHttpTools,), {"limits": limits})
+    protocol = type("Guarded", (GuardedHttpTools,), {"limits": limits, "pending": {}})
     return uvicorn.Config(
         app,
         host=host,

@@ -264,8 +264,9 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = _client_host(scope) or "?"
         try:
-            self.throttle.check(host)
             admission = self._admit(found, scope, headers, host)
+            if not isinstance(admission, SwarmProof):  # a member's proof is never throttled
+                self.throttle.check(host)  # (N2: strangers on its address would block it)
             body = await read_body(
                 headers.get("content-length"),
                 receive,
@@ -291,10 +292,12 @@ class Guard:
             self.in_flight.give(len(body.data))
 
     def _admit(self, found: Rule, scope: Scope, headers: dict[str, str], host: str) -> Admission:
-        """The credentials' verdict from the headers; a refusal counts against `host`."""
+        """The credentials' verdict from the headers; a refusal counts against `host`, and
+        past its limit is answered 429."""
         try:
             return self.credentials.admit(found.needs, scope, headers)
         except AuthError:
+            self.throttle.check(host)
             self.throttle.refused(host)
             raise
 
