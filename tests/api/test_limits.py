@@ -222,3 +222,26 @@ def test_a_client_that_stops_reading_is_cut_off_and_every_hop_forgets_it() -> No
     took = run(go())
     assert took < 5 and events[0]["status"] == 200
     assert no_leftovers(app)
+
+
+def test_every_answer_of_n_counts_against_the_clients_limit() -> None:
+    """Review N7: with a limit of 8, one key's requests with n = 16, 16, 16, 12 held 62 of 64
+    sessions on every hop. Each answer is a session on every hop, so each one counts."""
+    app = make(ApiLimits(max_concurrent_per_client=8))
+    too_many = post(app, CHAT | {"n": 16})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    app.state.limiter.acquire("ip:127.0.0.1", 5)  # five answers of this client in flight
+    refused = post(app, CHAT | {"n": 4, "stream": True})
+    assert refused.status_code == 429 and "5 answers" in refused.json()["error"]["message"]
+    assert post(app, CHAT | {"n": 3}).status_code == 200  # exactly at the limit
+    app.state.limiter.release("ip:127.0.0.1", 5)
+    assert no_leftovers(app)
+
+
+def test_answers_count_against_the_servers_limit_too() -> None:
+    app = make(ApiLimits(max_generations=4, max_concurrent_per_client=8))
+    app.state.limiter.acquire("key:a", 3)
+    refused = post(app, CHAT | {"n": 2})
+    assert refused.status_code == 429 and "this server has 3" in refused.json()["error"]["message"]
+    app.state.limiter.release("key:a", 3)
+    assert post(app, CHAT | {"n": 2}).status_code == 200 and no_leftovers(app)

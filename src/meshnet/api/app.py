@@ -131,7 +131,7 @@ def api_router(
         check_max_tokens(params, limits, request.max_tokens_field())
         if plan is not None:
             params = tools.constrain(params, plan, request.response_format is not None)
-        events = _limited(generator.stream(prompt, params), limiter, client)
+        events = _limited(generator.stream(prompt, params), limiter, client, params.n)
         render = chat_renderer(request.model, _token_text(generator, params))
         if plan is not None:
             return await respond_calls(events, request, render, plan, limits.write_timeout_s)
@@ -150,7 +150,7 @@ def api_router(
         check_room(prompt, generator.max_context, "prompt")
         check_max_tokens(request.params(), limits, "max_tokens")
         params = request.params()
-        events = _limited(generator.stream(prompt, params), limiter, client)
+        events = _limited(generator.stream(prompt, params), limiter, client, params.n)
         render = text_renderer(request.model, _token_text(generator, params))
         return await respond(events, request, render, "text_completion", limits.write_timeout_s)
 
@@ -211,13 +211,13 @@ def check_max_tokens(params: GenerationParams, limits: ApiLimits, field: str) ->
 
 
 async def _limited(
-    events: AsyncGenerator[Event], limiter: ClientLimiter, client: str
+    events: AsyncGenerator[Event], limiter: ClientLimiter, client: str, answers: int
 ) -> AsyncGenerator[Event]:
-    """`events`, counted as one of `client`'s generations in flight while it runs."""
-    limiter.acquire(client)
+    """`events`, its `answers` counted among `client`'s in flight while it runs."""
+    limiter.acquire(client, answers)
     try:
         async for event in events:
             yield event
     finally:
         await events.aclose()
-        limiter.release(client)
+        limiter.release(client, answers)

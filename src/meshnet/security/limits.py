@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshnet.config import ApiLimits
-from meshnet.errors import LimitError
+from meshnet.errors import LimitError, RequestError
 
 
 @dataclass(frozen=True)
@@ -65,29 +65,38 @@ class ClientLimiter:
                 retry_after_s=wait_s,
             )
 
-    def acquire(self, client: str) -> None:
-        """Start one generation for `client`; `LimitError` (429) over its concurrency limit
-        or over the server's generations in flight (all clients together)."""
+    def acquire(self, client: str, answers: int = 1) -> None:
+        """Start one generation of `answers` answers (its `n`) for `client`: each answer is a
+        session on every hop, so each counts (review N7: n = 16 multiplied one key's
+        sessions past its limit). 400 when `answers` alone is over the client's limit;
+        `LimitError` (429) over it or over the server's answers in flight."""
+        per_client = self.limits.max_concurrent_per_client
+        if answers > per_client:
+            raise RequestError(
+                f"n is {answers}; this server runs at most {per_client} answers at once for "
+                f"one client",
+                field="n",
+            )
         total = sum(self.in_flight.values())
-        if total >= self.limits.max_generations:
+        if total + answers > self.limits.max_generations:
             self.refused["concurrency"] += 1
             raise LimitError(
-                f"this server has {total} generations in flight (limit "
+                f"this server has {total} answers in flight (limit "
                 f"{self.limits.max_generations}); retry shortly",
                 retry_after_s=1.0,
             )
         count = self.in_flight.get(client, 0)
-        if count >= self.limits.max_concurrent_per_client:
+        if count + answers > per_client:
             self.refused["concurrency"] += 1
             raise LimitError(
-                f"{count} generations of this client are in flight (limit "
-                f"{self.limits.max_concurrent_per_client}); wait for one to finish",
+                f"{count} answers of this client are in flight (limit {per_client}); "
+                f"wait for one to finish",
                 retry_after_s=1.0,
             )
-        self.in_flight[client] = count + 1
+        self.in_flight[client] = count + answers
 
-    def release(self, client: str) -> None:
-        count = self.in_flight.get(client, 1) - 1
+    def release(self, client: str, answers: int = 1) -> None:
+        count = self.in_flight.get(client, answers) - answers
         if count > 0:
             self.in_flight[client] = count
         else:
