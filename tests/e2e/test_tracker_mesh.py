@@ -242,6 +242,12 @@ def _node_id(cluster: dict[str, Any], name: str) -> str:
     return (cluster["logs"] / name / "node_id").read_text().strip()
 
 
+def settled(url: str) -> bool:
+    """No node is loading a span: the planner is done moving copies (a request in the
+    middle of a move can find its route stale and no copy left: 503)."""
+    return not any(n["loading"] for n in get_json(f"{url}/v1/coverage")["nodes"])
+
+
 def entries(url: str, model_name: str = "default") -> list[dict[str, Any]]:
     listed: list[dict[str, Any]] = get_json(f"{url}/v1/entries?model={model_name}")["entries"]
     return listed
@@ -303,6 +309,7 @@ def test_one_tracker_answers_for_two_models_each_with_its_own_entry(
         launch("n2", "default", "--budget", "330MB")
         both = lambda: [m["routable"] for m in get_json(f"{url}/v1/coverage")["models"]]  # noqa: E731
         wait_for(lambda: both() == [True, True], 240, "both models routable")
+        wait_for(lambda: settled(url), 60, "the planner's loads to end")  # no route goes stale
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0)
         assert sorted(m.id for m in client.models.list().data) == ["default", "second"]
         question = [{"role": "user", "content": "What is the capital of France?"}]

@@ -127,7 +127,9 @@ def test_mostly_valid_frames_reach_every_check() -> None:
     each later check is reached, and some frames decode (the fuzz is not stopped early)."""
     reached: dict[str, int] = {}
 
-    @settings(max_examples=400, deadline=None, database=None)
+    # derandomized: which checks 400 random examples reach varied, and once (a suite run of
+    # 2026-12-06) none had a near-miss encoding; the same examples each run reach them all
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True)
     @given(frame=mostly_valid_frames())
     def check(frame: tuple[dict[str, str], bytes]) -> None:
         headers, body = frame
