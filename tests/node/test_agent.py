@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import httpx
 import pytest
 
 from meshnet.config import TrackerConfig, WireConfig, WireLimits
 from meshnet.models.source import source_kind
-from meshnet.node.agent import NodeAgent, node_id
+from meshnet.node.agent import Membership, NodeAgent, RefusedError, node_id
 from meshnet.node.app import NodeService
 from meshnet.node.runner import EchoRunner, ShardRunner
 from meshnet.tracker import messages as msg
@@ -33,7 +34,13 @@ def tracker() -> tuple[Registry, httpx.AsyncClient]:
     return registry, client
 
 
-def agent(client: httpx.AsyncClient, name: str, budget_mb: int, fail: bool = False) -> NodeAgent:
+def agent(
+    client: httpx.AsyncClient,
+    name: str,
+    budget_mb: int,
+    fail: bool = False,
+    membership: Membership | None = None,
+) -> NodeAgent:
     def loader(model: str, source: str, span: LayerSpan) -> ShardRunner:
         assert source == "m-source"
         if fail:
@@ -47,7 +54,8 @@ def agent(client: httpx.AsyncClient, name: str, budget_mb: int, fail: bool = Fal
         quant="fp32",
         throughput=1.0,
     )
-    return NodeAgent(NodeService([], WireLimits(), WireConfig()), client, request, loader)
+    service = NodeService([], WireLimits(), WireConfig())
+    return NodeAgent(service, client, request, loader, membership=membership)
 
 
 async def settle(*agents: NodeAgent, beats: int = 3) -> None:
@@ -224,3 +232,26 @@ def test_heartbeats_carry_round_trips_to_the_tracker_and_to_pinged_peers() -> No
 
     with serving(node_app(EchoRunner(ModelId("m"), LayerSpan(0, 8)))) as port:  # type: ignore[arg-type]
         run(scenario(f"http://127.0.0.1:{port}"))
+
+
+def test_a_restarted_node_proves_itself_with_the_token_it_kept(tmp_path: Path) -> None:
+    """Review N5: a live id registers again only with its membership token; the node keeps
+    it beside its id (mode 0600), so a restart in place is taken at once, not after expiry."""
+
+    async def scenario() -> None:
+        registry, client = tracker()
+        kept = tmp_path / "membership_token"
+        first = agent(client, "a", 100, membership=Membership.kept("a", kept))
+        await first._beat()
+        assert kept.read_text().strip() == first.membership.token
+        assert kept.stat().st_mode & 0o777 == 0o600
+        stranger = agent(client, "a", 100)  # the same id, no token: refused while a is live
+        with pytest.raises(RefusedError, match="membership token"):
+            await stranger._beat()
+        again = agent(client, "a", 100, membership=Membership.kept("a", kept))
+        await again._beat()
+        assert again.registered and registry.nodes["a"].token is not None
+        assert kept.read_text().strip() == again.membership.token != first.membership.token
+        await client.aclose()
+
+    run(scenario())

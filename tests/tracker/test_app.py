@@ -221,21 +221,27 @@ def test_replacement_routes_for_one_span_excluding_banned_and_reported_nodes(
 ) -> None:
     client, clock = mesh
     spans = {"a": (0, 15), "b": (15, 30), "c": (15, 30), "d": (15, 30)}
+    tokens = {}
     for node, (start, end) in spans.items():
         shard = {"model": "m", "span": {"start": start, "end": end}}
-        register(client, node, 200, loaded=[shard])
+        tokens[node] = register(client, node, 200, loaded=[shard])["token"]
 
     def replacement(**params: Any) -> list[str]:
         query = {"model": "m", "start": 15, "end": 30, **params}
         response = client.get("/v1/route", params=query)
         return [h["node_id"] for h in response.json()["hops"]] if response.is_success else []
 
+    def report(reporter: str) -> object:
+        body = {"node_id": "d", "reason": "reset", "reporter": reporter, "token": tokens[reporter]}
+        return client.post("/v1/nodes/report", json=body).json()
+
     assert replacement() in (["b"], ["c"], ["d"])
     assert replacement(exclude="b,c") == ["d"]
-    assert client.post("/v1/nodes/report", json={"node_id": "d", "reason": "reset"}).json() == {
-        "reported": True
-    }
-    assert replacement(exclude="b,c") == []  # d is out of routes for a while
+    assert report("a") == {"reported": True}
+    assert replacement(exclude="b,c", origin="a") == []  # out of its reporter's routes...
+    assert replacement(exclude="b,c") == ["d"]  # ...but one member steers nobody else (N5)
+    assert report("b") == {"reported": True}
+    assert replacement(exclude="b,c") == []  # two members agree: out of every route a while
     missing = client.get(
         "/v1/route", params={"model": "m", "start": 15, "end": 30, "exclude": "b,c"}
     )

@@ -1,9 +1,10 @@
 """A node id is more than a claim (review finding 2): heartbeats, leaves and reports need
-the membership token of the registration; a live id cannot move to another address; a
+the membership token of the registration; a live id registers again only with it (N5); a
 node claims only spans it was given, within its budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -19,9 +20,11 @@ MB = 1 << 20
 SPAN = {"start": 0, "end": 10}
 
 
-def tracker() -> tuple[TestClient, TrustingProber, Registry]:
+def tracker(
+    clock: Callable[[], float] = lambda: 0.0,
+) -> tuple[TestClient, TrustingProber, Registry]:
     offers = [ModelOffer(ModelId("m"), 30, {"fp32": 10 * MB})]
-    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=60.0, clock=lambda: 0.0)
+    registry = Registry(offers, {ModelId("m"): "m"}, dead_after_s=60.0, clock=clock)
     prober = TrustingProber()
     return TestClient(create_app(registry, TrackerConfig(), prober=prober)), prober, registry
 
@@ -53,21 +56,29 @@ def test_reports_need_a_registered_reporter_and_its_token() -> None:
     for body in ({}, {"reporter": "entry", "token": "forged"}, {"reporter": "nobody"}):
         refused = client.post("/v1/nodes/report", json={"node_id": "victim", "reason": "x"} | body)
         assert refused.status_code == 403
-    assert registry.nodes["victim"].suspect_until_s == 0.0  # still routable
+    assert not registry.nodes["victim"].reports.until_s  # nobody's routes changed
     body = {"node_id": "victim", "reason": "reset", "reporter": "entry", "token": token}
     assert client.post("/v1/nodes/report", json=body).json() == {"reported": True}
 
 
-def test_a_live_id_cannot_be_taken_over_from_another_address() -> None:
-    client, prober, registry = tracker()
-    register(client, "victim", "http://10.0.0.1:1")
-    hijack = register(client, "victim", "http://10.6.6.6:1", throughput=1e6)
-    assert hijack.status_code == 409 and "live at http://10.0.0.1:1" in hijack.text
-    assert registry.nodes["victim"].request.address == "http://10.0.0.1:1"  # unchanged
-    assert register(client, "victim", "http://10.0.0.1:1").is_success  # a restart in place
-    prober.gone.add("http://10.0.0.1:1")  # the old address no longer answers: it moved
-    assert register(client, "victim", "http://10.0.0.9:1").is_success
-    assert registry.nodes["victim"].request.address == "http://10.0.0.9:1"
+def test_a_live_id_registers_again_only_with_its_token_at_any_address() -> None:
+    """Review N5: B's id registered again at B's own address got a fresh token (and with
+    it the id: its leave took B out); nor may it move to another address without it."""
+    now = [0.0]
+    client, _, registry = tracker(lambda: now[0])
+    token = register(client, "victim", "http://10.0.0.1:1").json()["token"]
+    for address in ("http://10.6.6.6:1", "http://10.0.0.1:1"):  # elsewhere, and in its place
+        for forged in ({}, {"token": "x" * 32}):
+            hijack = register(client, "victim", address, quant="nf4", budget_bytes=1, **forged)
+            assert hijack.status_code == 409 and "membership token" in hijack.text
+    kept = registry.nodes["victim"].request
+    assert (kept.address, kept.quant) == ("http://10.0.0.1:1", "fp32")  # unchanged
+    again = register(client, "victim", "http://10.0.0.1:1", token=token)  # a restart in place
+    assert again.is_success
+    moved = register(client, "victim", "http://10.0.0.9:1", token=again.json()["token"])
+    assert moved.is_success and registry.nodes["victim"].request.address == "http://10.0.0.9:1"
+    now[0] = 61.0  # a node that lost its token: once the old record expired
+    assert register(client, "victim", "http://10.0.0.1:1").is_success
 
 
 def test_a_heartbeat_claims_only_assigned_or_registered_spans() -> None:

@@ -73,8 +73,12 @@ def test_states_follow_directives_loads_heartbeats_and_reports(tracker: Tracker)
     tracker.clock.now = 1.5 * INTERVAL_S + 0.01
     assert node_states(tracker) == {"a": "late"}
     beat(tracker.client, "a", [{"model": "m", "span": SPAN}])
-    tracker.client.post("/v1/nodes/report", json={"node_id": "a", "reason": "timeout"})
-    assert node_states(tracker) == {"a": "suspect"}
+    for reporter in ("e1", "e2"):  # one member's report changes only its own routes (N5)
+        token = register(tracker.client, reporter, 1)["token"]
+        body = {"node_id": "a", "reason": "timeout", "reporter": reporter, "token": token}
+        tracker.client.post("/v1/nodes/report", json=body)
+        agreed = reporter == "e2"
+        assert node_states(tracker)["a"] == ("suspect" if agreed else "ready")
 
 
 def test_a_late_nodes_layers_show_as_a_gap_but_stay_routable(tracker: Tracker) -> None:

@@ -37,7 +37,7 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.compute import host_turns, pin_loop_thread
-from meshnet.node.startup import registration, tracker_client
+from meshnet.node.startup import data_dir, registration, tracker_client
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
 from meshnet.security.signing import Signer
@@ -155,7 +155,8 @@ def build_app(
         links=service.links,
         reply=Reply(NodeId(request.node_id), request.address),
     )
-    member = Membership(request.node_id)  # its token comes with the registration
+    # its token comes with the registration, and stays for the next run
+    member = Membership.kept(request.node_id, data_dir(config) / "membership_token")
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
     if config.tracker_url is not None:
         client = tracker_client(config.tracker_url, access, entry.route_timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -43,10 +44,26 @@ def node_id(data_dir: Path) -> str:
 @dataclass
 class Membership:
     """This node's id and the membership token its registration got: heartbeats and
-    `leave` carry it, and so do the reports its entry role sends about other nodes."""
+    `leave` carry it, and so do the reports its entry role sends about other nodes. Kept in
+    `path` (mode 0600), a restarted node proves it is the same node when it registers again
+    (review N5: without it, anyone could re-register a live id at its address)."""
 
     node_id: str
     token: str = ""
+    path: Path | None = None
+
+    @classmethod
+    def kept(cls, node_id: str, path: Path) -> Membership:
+        """The membership a previous run of this node kept in `path` (none: no token)."""
+        return cls(node_id, path.read_text().strip() if path.exists() else "", path)
+
+    def renew(self, token: str) -> None:
+        self.token = token
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(token + "\n")
 
 
 class RefusedError(Exception):
@@ -184,13 +201,14 @@ class NodeAgent:
                 self.service.peers.record(node_id, rtt_s)
 
     async def _register(self) -> None:
-        request = self.registration.model_copy(update={"loaded": self.loaded()})
+        token = self.membership.token or None  # the one it had: it is this node again
+        request = self.registration.model_copy(update={"loaded": self.loaded(), "token": token})
         response = await self.client.post(
             "/v1/nodes/register", json=request.model_dump(mode="json")
         )
         _check(response, "registration")
         answer = msg.RegisterResponse.model_validate(response.json())
-        self.membership.token = answer.token
+        self.membership.renew(answer.token)
         self.interval_s = answer.heartbeat_interval_s
         self.registered = True
         self.retry_s = 0.1

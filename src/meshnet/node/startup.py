@@ -44,15 +44,19 @@ def load_runner(
     )
 
 
+def data_dir(config: NodeConfig) -> Path:
+    """Where a node keeps its id and membership token across restarts."""
+    return Path(config.data_dir or Path.home() / ".meshnet" / f"node-{config.port}")
+
+
 def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterRequest:
     """What this node tells the tracker: where it is, its budget, whether it may be an entry
     (and keeps an entry span given by hand: `--layers 0:K`)."""
     device = resolve_device(config.device)
     budget = config.budget_bytes or budget_bytes(device)
-    data_dir = Path(config.data_dir or Path.home() / ".meshnet" / f"node-{config.port}")
     pinned = LayerSpan.parse(config.layers) if config.layers else None
     return msg.RegisterRequest(
-        node_id=node_id(data_dir),
+        node_id=node_id(data_dir(config)),
         address=config.public_address or f"{scheme}://{config.host}:{config.port}",
         budget_bytes=budget,
         kv_reserve_bytes=int(budget * config.kv_reserve_fraction),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
@@ -19,14 +20,14 @@ from starlette.staticfiles import StaticFiles
 
 from meshnet import __version__
 from meshnet.config import AccessConfig, TrackerConfig
-from meshnet.errors import MeshError, RequestError
+from meshnet.errors import RequestError
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.security.access import Credentials, Guard, KiB, Rule, rule
 from meshnet.security.swarm import TRACKER
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.forward import EntryForwarder, listed_models
-from meshnet.tracker.membership import NodeConflictError, new_token
+from meshnet.tracker.membership import NodeConflictError, new_token, token_digest
 from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
@@ -89,7 +90,7 @@ def create_app(
     async def register(request: msg.RegisterRequest, http: Request) -> msg.RegisterResponse:
         registry.validate(request)  # refuse what we would not count before probing
         await prober.probe(request.node_id, request.address)
-        await refuse_takeover(registry, prober, request)
+        refuse_takeover(registry, request)
         peer = http.client.host if http.client else None
         token = new_token()
         directives = registry.register(request, peer, token)
@@ -115,7 +116,8 @@ def create_app(
     @app.post("/v1/nodes/report")
     def report(request: msg.ReportRequest) -> dict[str, bool]:
         registry.check_member(request.reporter, request.token)  # a member, as itself
-        return {"reported": registry.report(NodeId(request.node_id), request.reason)}
+        reported = registry.report(NodeId(request.node_id), request.reason, request.reporter)
+        return {"reported": reported}
 
     @app.get("/v1/coverage")
     def coverage() -> msg.CoverageResponse:
@@ -210,19 +212,21 @@ def _sample(registry: Registry) -> None:
         registry.metrics.layers_covered.labels(model).set(layers)
 
 
-async def refuse_takeover(registry: Registry, prober: Prober, request: msg.RegisterRequest) -> None:
-    """Refuse (409) registering an id that is live at another address, unless that address
-    no longer answers the probe as that id (the node moved, or died)."""
+def refuse_takeover(registry: Registry, request: msg.RegisterRequest) -> None:
+    """Refuse (409) registering an id the tracker holds live without that node's membership
+    token, at any address (review N5: at the node's own address anyone got a fresh token,
+    and with it the id). A node that lost its token waits until the old record expires."""
+    registry.expire()
     with registry.lock:
         known = registry.nodes.get(NodeId(request.node_id))
-        old = known.request.address if known is not None else None
-    if old is None or old == request.address:
-        return  # new, or the same node starting again
-    try:
-        await prober.probe(request.node_id, old)
-    except MeshError:
-        return
+        kept = known.token if known is not None else None
+    if kept is None:
+        return  # new, expired, or registered in-process
+    if request.token and hmac.compare_digest(kept, token_digest(request.token)):
+        return  # the same node registering again (moved, restarted, or re-declaring spans)
     raise NodeConflictError(
-        f"node {request.node_id} is live at {old}; a node at another address cannot take its id",
-        field="node_id",
+        f"node {request.node_id} is registered and live; registering it again needs its "
+        f"membership token (without it, wait until its heartbeats have stopped for "
+        f"{registry.dead_after_s:.0f} s)",
+        field="token",
     )

@@ -67,6 +67,8 @@ class RegisterRequest(Message):
     # are given spans from layer 0
     entry: bool = True
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
+    # the membership token of its last registration: a live id registers again only with it
+    token: str | None = Field(default=None, max_length=64)
 
     @field_validator("node_id")
     @classmethod

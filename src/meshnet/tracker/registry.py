@@ -31,6 +31,7 @@ from meshnet.tracker.membership import (
     token_digest,
 )
 from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
+from meshnet.tracker.reports import TRACKER_REPORTS, Reports
 from meshnet.types import ModelId, NodeId, SourceKind
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,9 @@ class NodeRecord:
     queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
     step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
     rtt_ms: dict[str, float] = field(default_factory=dict)  # round trips it measured, by peer
-    # an entry node reported it failing: out of routes until then, heartbeats or not (a
-    # node that fails frames may well go on beating)
-    suspect_until_s: float = 0.0
+    # who reported it failing, until when: out of their routes (or all: `Reports`),
+    # heartbeats or not (a node that fails frames may well go on beating)
+    reports: Reports = field(default_factory=Reports)
     token: bytes | None = None  # SHA-256 of its membership token; None: registered in-process
     pinned: set[Key] = field(default_factory=set)  # the spans it registered with
     checked_s: float = 0.0  # when the tracker last checked that it still listens
@@ -231,14 +232,15 @@ class Registry:
                 raise NotYourNodeError(f"node {node_id} is not registered here", field="reporter")
             check_token(record.token, token, node_id)
 
-    def report(self, node_id: NodeId, reason: str) -> bool:
-        """An entry node saw `node_id` fail: keep it out of routes for `suspect_s`."""
+    def report(self, node_id: NodeId, reason: str, reporter: str = TRACKER_REPORTS) -> bool:
+        """`reporter` (an entry node, or the tracker) saw `node_id` fail: keep it out of
+        routes for `suspect_s` (whose routes: see `tracker/reports.py`)."""
         with self.lock:
             record = self.nodes.get(node_id)
             if record is None:
                 return False
-            log.warning("node %s reported failing: %s", node_id, reason)
-            record.suspect_until_s = self.clock() + self.suspect_s
+            log.warning("node %s reported failing by %s: %s", node_id, reporter, reason)
+            record.reports.add(reporter, self.clock() + self.suspect_s)
             return True
 
     def expire(self) -> list[NodeId]:
@@ -279,7 +281,7 @@ class Registry:
 
     def state(self, record: NodeRecord, now: float) -> msg.NodeState:
         """What the dashboard says of a node (`late`: one heartbeat clearly missed)."""
-        if now < record.suspect_until_s:
+        if record.reports.agreed(now):
             return "suspect"
         if now - record.last_seen_s > LATE_AFTER_BEATS * self.interval_s:
             return "late"

@@ -36,7 +36,7 @@ def servers(
             link_rtt_s(origin, origin_rtt, node_id, r.rtt_ms) if origin else 0.0,
         )
         for node_id, r in sorted(registry.nodes.items())
-        if node_id not in exclude and now >= r.suspect_until_s
+        if node_id not in exclude and not r.reports.excludes(now, origin)
         for m, span in sorted(r.loaded)
         if m == model
     ]
@@ -129,7 +129,7 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
             queue_depth=r.queue_depth,
             step_s=r.step_s,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
-            suspect=now < r.suspect_until_s,
+            suspect=r.reports.agreed(now),
             state=states[n],
         )
         for n, r in sorted(registry.nodes.items())
