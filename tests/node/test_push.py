@@ -4,7 +4,10 @@ an app under uvicorn in a thread, joined by `HttpTransport.push` over loopback s
 from __future__ import annotations
 
 import contextlib
+import socket
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -14,7 +17,8 @@ from meshnet.config import AccessConfig, WireConfig, WireLimits
 from meshnet.entry.transport import HttpTransport
 from meshnet.errors import HopError
 from meshnet.node.app import NodeService, create_app
-from meshnet.node.push import Inbox, proof_for
+from meshnet.node.directory import Listing, static_directory
+from meshnet.node.push import Inbox, passed_back, proof_for
 from meshnet.node.runner import EchoRunner
 from meshnet.security.signing import Signer
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId
@@ -31,9 +35,19 @@ SPANS = {"n-1": LayerSpan(10, 20), "n-2": LayerSpan(20, 30)}
 
 
 def node(node_id: str, spans: list[LayerSpan], key: str | None = KEY) -> tuple[NodeService, object]:
+    """A hop whose tracker lists the members of ROUTE and OTHER_ROUTE (the tests' routes)."""
     runners = [EchoRunner(MODEL, span) for span in spans]
     service = NodeService(runners, WireLimits(), WireConfig(), node_id=node_id, signer=Signer(key))
+    service.forwarder.directory = static_directory(listing(ROUTE, OTHER_ROUTE))
     return service, create_app(service=service, access=AccessConfig(swarm_key=key))
+
+
+def listing(*routes: PushRoute) -> Listing:
+    """What a tracker would list of the members on `routes`."""
+    hops = [hop for route in routes for hop in route.hops]
+    addresses = {hop.node_id: hop.address for hop in hops}
+    addresses |= {route.reply.node_id: route.reply.address for route in routes}
+    return Listing(addresses, {(hop.node_id, MODEL): frozenset({hop.span}) for hop in hops})
 
 
 @contextlib.contextmanager
@@ -51,6 +65,8 @@ def chain(
         hops = [Hop(NodeId(n), f"http://127.0.0.1:{ports[n]}", s) for n, s in SPANS.items()]
         entry = services["n-0"]
         reply = Reply(NodeId("n-0"), f"http://127.0.0.1:{ports['n-0']}")
+        for service in services.values():
+            service.forwarder.directory = static_directory(listing(PushRoute(tuple(hops), reply)))
         transport = HttpTransport(timeout_s=5.0, signer=Signer(KEY), inbox=entry.inbox, reply=reply)
         yield transport, hops, services
 
@@ -185,3 +201,71 @@ def test_a_node_without_a_swarm_key_pushes_nothing_on() -> None:
     answer = run(send(service, app, [(headers, bytes(encoded.body))]))[0]
     assert answer.status_code == 400 and "swarm key" in answer.json()["error"]["message"]
     assert service.session_count() == 0
+
+
+TARPIT = Hop(NodeId("n-9"), "http://127.0.0.1:9", SPANS["n-2"])
+
+
+def then(hop: Hop) -> PushRoute:
+    """ROUTE with `hop` after n-1."""
+    return PushRoute((ROUTE.hops[0], hop), ROUTE.reply)
+
+
+@pytest.mark.parametrize(
+    ("route", "says"),
+    [
+        (
+            PushRoute((ROUTE.hops[0], replace(TARPIT, node_id=NodeId("svc"))), ROUTE.reply),
+            "no member",
+        ),
+        (
+            PushRoute((ROUTE.hops[0], replace(TARPIT, address="http://10.0.0.1:80")), ROUTE.reply),
+            "no member",
+        ),
+        (
+            PushRoute((ROUTE.hops[0], replace(TARPIT, span=LayerSpan(20, 25))), ROUTE.reply),
+            "no layers",
+        ),
+        (PushRoute(ROUTE.hops[:1], Reply(NodeId("n-0"), "http://127.0.0.1:18199")), "no member"),
+    ],
+    ids=["stranger", "another-address", "other-layers", "reply-elsewhere"],
+)
+def test_a_hop_pushes_only_to_members_the_tracker_lists(route: PushRoute, says: str) -> None:
+    """Review N6: a member signed a route sending B's output to 127.0.0.1:18199 (an internal
+    service), and B posted its activations there. Now B refuses before it computes."""
+    service, app = node("n-1", [SPANS["n-1"]])
+    answer = run(send(service, app, [pushed_frame(meta(0, "n6"), route)]))[0]
+    assert answer.status_code == 400 and answer.json()["error"]["field"] == "X-Meshnet-Route"
+    assert says in answer.json()["error"]["message"] and service.session_count() == 0
+
+
+def test_a_refusal_from_the_next_hop_is_passed_back_without_its_words() -> None:
+    """Review N6: B's 502 carried 300 characters of the target's answer."""
+    body = b'{"error":{"message":"INTERNAL-ADMIN-PANEL: db_password=hunter2","type":"Forbidden"}}'
+    error = passed_back("n-2", 403, body)
+    assert "hunter2" not in error.message and error.message == "n-2 answered 403 (Forbidden)"
+    assert (
+        passed_back("n-2", 500, b"<html>db_password=hunter2</html>").message == "n-2 answered 500"
+    )
+    further = b'{"error":{"message":"n-3 failed","code":"push_failed","failed":"n-3","status":409}}'
+    relayed = passed_back("n-2", 502, further)  # a member's push error goes on as it came
+    assert (relayed.failed, relayed.status, relayed.message) == ("n-3", 409, "n-3 failed")
+
+
+def test_a_routes_budget_is_capped_by_the_hops_own_timeout() -> None:
+    """Review N6: with Budget-Ms 3,600,000 and a next hop that never answers, B held the call
+    until the listener gave up (25 s). Now it gives up at its own hop timeout."""
+    with socket.socket() as tarpit:
+        tarpit.bind(("127.0.0.1", 0))
+        tarpit.listen(8)  # accepts, never answers
+        hop = replace(TARPIT, address=f"http://127.0.0.1:{tarpit.getsockname()[1]}")
+        route = PushRoute((ROUTE.hops[0], hop), ROUTE.reply)
+        service, app = node("n-1", [SPANS["n-1"]])
+        service.forwarder.directory = static_directory(listing(route))
+        service.forwarder.max_budget_ms = 500
+        headers, body = pushed_frame(meta(0, "n6-budget"), route)
+        headers = headers | {"X-Meshnet-Budget-Ms": "3600000"}
+        headers |= Signer(KEY).headers("POST", "/forward", body, to="n-1", headers=headers)
+        started = time.monotonic()
+        answer = run(send(service, app, [(headers, body)]))[0]
+    assert answer.status_code == 502 and time.monotonic() - started < 5.0

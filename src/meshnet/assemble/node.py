@@ -37,6 +37,7 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.compute import host_turns, pin_loop_thread
+from meshnet.node.directory import tracker_directory
 from meshnet.node.startup import data_dir, registration, tracker_client
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
@@ -158,9 +159,11 @@ def build_app(
     # its token comes with the registration, and stays for the next run
     member = Membership.kept(request.node_id, data_dir(config) / "membership_token")
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
+    service.forwarder.max_budget_ms = int(1000 * entry.hop_timeout_s)
     if config.tracker_url is not None:
         client = tracker_client(config.tracker_url, access, entry.route_timeout_s)
         routes = TrackerRoutes(client, member)
+        service.forwarder.directory = tracker_directory(client)  # whom it may push to
     role = EntryRole(config, entry, service, routes, transport)
     if pinned is not None:
         load_pinned(role, config, pinned)

@@ -37,13 +37,17 @@ from meshnet.entry.transport import HttpTransport
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
+from meshnet.node.directory import Directory
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
 from meshnet.security.tls import client_context, scheme, server_options
+from meshnet.tracker import messages as msg
+from meshnet.tracker import views
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
+from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId
 from meshnet.wire.route import Reply
 
@@ -62,6 +66,15 @@ def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig
     forwarder = EntryForwarder(registry, forwarding_client(access.tls))
     prober = HttpProber(Signer(access.swarm_key), verify=client_context(access.tls))
     return create_tracker_app(registry, config, prober=prober, access=access, forwarder=forwarder)
+
+
+def registry_directory(registry: Registry) -> Directory:
+    """The members this very tracker lists (a push from its own span goes only to them)."""
+
+    async def fetch() -> msg.CoverageResponse:
+        return views.coverage(registry)
+
+    return Directory(fetch)
 
 
 def build_tracker_node_app(
@@ -87,6 +100,8 @@ def build_tracker_node_app(
         registry, tracker, prober=prober, access=access, extra_rules=rules, node_id=request.node_id
     )
     add_node_routes(app, service)  # other entry nodes may route through our span
+    service.forwarder.directory = registry_directory(registry)  # whom it may push to
+    service.forwarder.max_budget_ms = int(1000 * entry.hop_timeout_s)
     transport = HttpTransport(
         service.wire,
         timeout_s=entry.hop_timeout_s,

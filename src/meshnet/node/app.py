@@ -156,8 +156,9 @@ class NodeService:
         lower = h.lower_keys(request.headers)
         route = parse_route(lower)
         if route is not None:  # pushed (ADR-0034): checked before it costs any compute
-            budget = budget_ms(lower)
+            budget = min(budget_ms(lower), self.forwarder.max_budget_ms)  # N6: no 1-hour hold
             self.forwarder.check(route, meta, lower)
+            await self.forwarder.check_target(route, meta)
         with session_context(meta.session):
             out = await self._run(meta, hidden)
             self.metrics.forward_seconds.labels(meta.model).observe(time.perf_counter() - started)

@@ -28,6 +28,7 @@ import torch
 
 from meshnet.config import WireConfig
 from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError
+from meshnet.node.directory import Directory
 from meshnet.node.peers import PeerTimes
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROOF
@@ -75,6 +76,9 @@ class Forwarder:
         self.metrics = metrics
         self.tls = tls
         self.routes: dict[SessionId, str] = {}  # session -> the route proof it started with
+        # the members it may push to (None: it knows no tracker, so it pushes to nobody)
+        self.directory: Directory | None = None
+        self.max_budget_ms = 60_000  # a route's budget, capped by this node's own hop timeout
         self._client: aiohttp.ClientSession | None = None
 
     def check(self, route: PushRoute, meta: FrameMeta, headers: Mapping[str, str]) -> None:
@@ -93,6 +97,19 @@ class Forwarder:
         if known is None:
             self._prune()
         self.routes[meta.session] = given
+
+    async def check_target(self, route: PushRoute, meta: FrameMeta) -> None:
+        """Refuse (400) a pushed frame whose output would go where the tracker lists no
+        member (review N6: any host:port a member named), before it computes."""
+        after = route.after(self.node_id, meta.span)
+        target = route.reply if after is None else after
+        if self.directory is None:
+            raise RequestError("this node knows no tracker: it pushes to no one", field=ROUTE)
+        missing = await self.directory.unlisted(meta.model, target)
+        if missing is not None:
+            raise RequestError(
+                f"{missing}: a hop pushes only to members the tracker lists", field=ROUTE
+            )
 
     def forget(self, session: SessionId) -> None:
         self.routes.pop(session, None)
@@ -198,18 +215,22 @@ class Forwarder:
 
 def passed_back(target: str, status: int, body: bytes) -> PushError:
     """The `PushError` for a refusal from `target`: a push error from further down as it
-    came, else `target`'s own (its status and words)."""
+    came, else `target`'s status and the type of its error, never its words (review N6: a
+    hop relayed 300 characters of whatever answered, an internal service's included)."""
     try:
         error = json.loads(body)["error"]
-        message = str(error["message"])[:300]
         if error.get("code") == "push_failed" and isinstance(error.get("failed"), str):
             given = error.get("status")
             return PushError(
-                message, failed=error["failed"], status=given if isinstance(given, int) else None
+                str(error["message"])[:300],
+                failed=error["failed"],
+                status=given if isinstance(given, int) else None,
             )
+        kind = str(error.get("type", ""))
     except (ValueError, KeyError, TypeError, AttributeError):
-        message = body[:200].decode("utf-8", "replace")
-    return PushError(f"{target} answered {status}: {message}", failed=target, status=status)
+        kind = ""
+    named = f" ({kind})" if kind.isidentifier() and len(kind) <= 40 else ""
+    return PushError(f"{target} answered {status}{named}", failed=target, status=status)
 
 
 class Inbox:
