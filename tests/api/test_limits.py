@@ -16,6 +16,7 @@ from meshnet.api.app import create_app
 from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import LimitError
 from meshnet.security.limits import ClientLimiter
+from meshnet.security.signing import Signer
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 
@@ -25,7 +26,10 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tempe
 def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig()) -> FastAPI:
     generator, _, runners = fake_mesh()
     limiter = ClientLimiter(limits)
-    app = create_app({"fake": generator}, 8, limits=limits, access=access, limiter=limiter)
+    names = frozenset({"entry-1"})  # members address their proofs to it
+    app = create_app(
+        {"fake": generator}, 8, limits=limits, access=access, limiter=limiter, names=names
+    )
     app.state.runners, app.state.limiter = runners, limiter
     app.state.generator = generator
     app.state.service = generator.pipeline.executor  # the entry's NodeService
@@ -245,3 +249,39 @@ def test_answers_count_against_the_servers_limit_too() -> None:
     assert refused.status_code == 429 and "this server has 3" in refused.json()["error"]["message"]
     app.state.limiter.release("key:a", 3)
     assert post(app, CHAT | {"n": 2}).status_code == 200 and no_leftovers(app)
+
+
+SWARM = "api-limits-swarm-key-padded-to-128-bits-0123456789"
+
+
+def forwarded(app: FastAPI, client: str, signer: Signer | None) -> httpx.Response:
+    """A call as a tracker forwards it: no API key, the client it let in named."""
+    body = json.dumps(CHAT).encode()
+    headers = {"Content-Type": "application/json", "X-Meshnet-Client": client}
+    if signer is not None:
+        headers |= signer.headers(
+            "POST", "/v1/chat/completions", body, to="entry-1", headers=headers
+        )
+    return post(app, {}, content=body, headers=headers)
+
+
+def test_a_tracker_forwards_a_member_signed_call_limited_as_the_client_it_names() -> None:
+    """Review N4: the tracker checks the client's key itself and forwards a member-signed
+    call naming the client; the entry counts it against that client's limits."""
+    access = AccessConfig(swarm_key=SWARM, api_keys=("client-key-0001",))
+    app = make(ApiLimits(max_concurrent_per_client=1), access)
+    assert forwarded(app, "key:0123456789ab", Signer(SWARM)).status_code == 200
+    app.state.limiter.acquire("via-key:0123456789ab")  # that client has one in flight
+    busy = forwarded(app, "key:0123456789ab", Signer(SWARM))
+    assert busy.status_code == 429  # its limit, through the tracker too
+    assert forwarded(app, "key:ba9876543210", Signer(SWARM)).status_code == 200  # another
+    unsigned = forwarded(app, "key:0123456789ab", None)  # naming a client is no credential
+    assert unsigned.status_code == 401
+
+
+def test_without_a_swarm_key_a_proof_header_opens_no_api() -> None:
+    """A process with API keys and no swarm key takes no member calls on its API: a made-up
+    X-Meshnet-Auth must not stand in for the key."""
+    app = make(access=AccessConfig(api_keys=("client-key-0001",)))
+    fake = {"X-Meshnet-Auth": "v1 t=1 n=abcdefgh to=x s=" + "0" * 64}
+    assert post(app, CHAT, headers=fake).status_code == 401

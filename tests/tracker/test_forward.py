@@ -7,6 +7,7 @@ through real processes."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from meshnet.config import AccessConfig, TrackerConfig
+from meshnet.security.access import key_tag
 from meshnet.tracker import messages as msg
 from meshnet.tracker.app import create_app
 from meshnet.tracker.forward import EntryForwarder
@@ -46,9 +48,23 @@ def node(name: str, start: int, end: int, *, entry: bool = False) -> msg.Registe
     )
 
 
-def tracker(handler: Handler, busy_a: int = 0) -> tuple[TestClient, Registry, list[str]]:
-    """A tracker with entries `a` (`busy_a` sessions) and `b` for model m, whose calls go to
-    `handler`; also returns the list of hosts called, in order."""
+class InOrder(random.Random):
+    """Ties broken in the order entries are listed (the tests' entries: a, then b)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.drawn = 0.0
+
+    def random(self) -> float:
+        self.drawn += 1.0
+        return self.drawn
+
+
+def tracker(
+    handler: Handler, busy_a: int = 0, rng: random.Random | None = None
+) -> tuple[TestClient, Registry, list[str]]:
+    """A tracker with entries `a` (`busy_a` sessions, as it reports them) and `b` for model
+    m, whose calls go to `handler`; also returns the list of hosts called, in order."""
     registry = Registry(OFFERS, {}, dead_after_s=6.0, clock=lambda: 0.0)
     for request in (node("a", 0, 10, entry=True), node("b", 0, 10, entry=True), node("c", 10, 30)):
         registry.register(request)
@@ -71,7 +87,7 @@ def tracker(handler: Handler, busy_a: int = 0) -> tuple[TestClient, Registry, li
         TrackerConfig(),
         prober=TrustingProber(),
         access=AccessConfig(api_keys=(KEY,)),
-        forwarder=EntryForwarder(registry, client),
+        forwarder=EntryForwarder(registry, client, rng=rng or InOrder()),
     )
     return TestClient(app, headers={"Authorization": f"Bearer {KEY}"}), registry, called
 
@@ -80,21 +96,39 @@ def answer(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
     reply = {"host": request.url.host, "path": request.url.path, "model": body["model"]}
     reply["auth"] = request.headers.get("authorization", "")
+    reply["client"] = request.headers.get("x-meshnet-client", "")
     return httpx.Response(200, json=reply)
 
 
-def test_a_request_goes_to_the_least_loaded_entry_with_its_body_and_key() -> None:
-    client, _, called = tracker(answer, busy_a=2)
+def test_a_request_goes_to_an_entry_with_its_body_naming_the_client_never_its_key() -> None:
+    """Review N4: the tracker checked the key and passed it on, so an entry (any member that
+    registered as one) collected clients' keys. Now the entry learns who, not the key."""
+    client, _, called = tracker(answer)
     got = client.post("/v1/chat/completions", json=CHAT)
     assert got.status_code == 200
     assert got.json() == {
-        "host": "b",
+        "host": "a",
         "path": "/v1/chat/completions",
         "model": "m",
-        "auth": f"Bearer {KEY}",
+        "auth": "",
+        "client": f"key:{key_tag(KEY)}",
     }
     completion = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
-    assert completion.json()["path"] == "/v1/completions" and called == ["b", "b"]
+    assert completion.json()["path"] == "/v1/completions" and called == ["a", "a"]
+
+
+def test_entries_are_chosen_by_the_trackers_count_not_the_load_they_report() -> None:
+    """Review N4: a member reporting 0 sessions was listed first and got 3 calls of 3. Calls
+    in flight are what the tracker itself counts; ties go either way."""
+    client, _, called = tracker(answer, busy_a=50, rng=random.Random(7))
+    hosts = [client.post("/v1/chat/completions", json=CHAT).json()["host"] for _ in range(40)]
+    assert 5 < hosts.count("a") < 35  # a's 50 sessions, as it says, count for nothing
+    forwarder = client.app.state.forwarder  # type: ignore[attr-defined]
+    forwarder.in_flight["a"] = 3  # three calls to a still streaming
+    assert all(
+        client.post("/v1/chat/completions", json=CHAT).json()["host"] == "b" for _ in range(5)
+    )
+    assert forwarder.in_flight == {"a": 3}  # each answered call was counted out again
 
 
 @pytest.mark.parametrize("failure", ["refused", "500"])

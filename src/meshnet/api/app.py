@@ -44,13 +44,16 @@ class Generator(Protocol):
         ...
 
 
-def access_rules(limits: ApiLimits) -> list[Rule]:
-    """The API answers clients: an API key, or a loopback caller when no key is configured."""
+def access_rules(limits: ApiLimits, members: bool = False) -> list[Rule]:
+    """The API answers clients: an API key, or a loopback caller when no key is configured;
+    with `members` (a swarm key), also member-signed calls: a tracker forwarding a client it
+    let in, named in `X-Meshnet-Client` (review N4: it no longer passes the client's key)."""
     body = limits.max_body_bytes
+    needs = ("client", "swarm") if members else ("client",)
     return [
-        rule("/v1/chat/completions", "client", max_body_bytes=body),
-        rule("/v1/completions", "client", max_body_bytes=body),
-        rule("/v1/models", "client"),
+        rule("/v1/chat/completions", *needs, max_body_bytes=body),
+        rule("/v1/completions", *needs, max_body_bytes=body),
+        rule("/v1/models", *needs),
     ]
 
 
@@ -63,14 +66,16 @@ def create_app(
     limiter: ClientLimiter | None = None,
     extra_rules: Sequence[Rule] = (),
     guarded: bool = True,
+    names: frozenset[str] = frozenset(),
 ) -> FastAPI:
     """A FastAPI app serving the API, behind its access guard unless not `guarded` (a node
-    mounting it checks access itself, with `access_rules` among its own)."""
+    mounting it checks access itself, with `access_rules` among its own); `names`: who it
+    is to members (their proofs must be addressed to one)."""
     app = FastAPI(title="meshnet API", version=__version__)
     install_error_handlers(app)
     if guarded:
-        rules = [*access_rules(limits), *extra_rules]
-        app.add_middleware(Guard, rules=rules, credentials=Credentials(access))
+        rules = [*access_rules(limits, access.swarm_key is not None), *extra_rules]
+        app.add_middleware(Guard, rules=rules, credentials=Credentials(access, names))
     app.include_router(api_router(generators, default_max_tokens, limits, limiter))
     return app
 

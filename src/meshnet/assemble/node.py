@@ -167,7 +167,7 @@ def build_app(
     role = EntryRole(config, entry, service, routes, transport)
     if pinned is not None:
         load_pinned(role, config, pinned)
-    api, rules = entry_api(role, entry, limits) if config.entry else (None, ())
+    api, rules = entry_api(role, entry, limits, access) if config.entry else (None, ())
     lifespan = None
     if config.tracker_url is not None:
         url = config.tracker_url
@@ -185,13 +185,15 @@ def build_app(
     return app
 
 
-def entry_api(role: EntryRole, entry: EntryConfig, limits: ApiLimits) -> tuple[ASGIApp, list[Rule]]:
+def entry_api(
+    role: EntryRole, entry: EntryConfig, limits: ApiLimits, access: AccessConfig
+) -> tuple[ASGIApp, list[Rule]]:
     """The OpenAI-compatible API app of a node that may be an entry, and its access rules
     (imported here: a `--no-entry` node never loads FastAPI)."""
     from meshnet.api.app import access_rules, create_app
 
     api = create_app(role.generators, entry.default_max_tokens, limits=limits, guarded=False)
-    return api, access_rules(limits)
+    return api, access_rules(limits, access.swarm_key is not None)
 
 
 def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:

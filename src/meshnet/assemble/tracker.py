@@ -63,7 +63,8 @@ def forwarding_client(tls: TlsConfig) -> httpx.AsyncClient:
 def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig()) -> FastAPI:
     """A tracker that runs no model: the control plane, and clients forwarded to entries."""
     registry = build_registry(config)
-    forwarder = EntryForwarder(registry, forwarding_client(access.tls))
+    signer = Signer(access.swarm_key)  # its forwarded calls are member calls (N4)
+    forwarder = EntryForwarder(registry, forwarding_client(access.tls), signer=signer)
     prober = HttpProber(Signer(access.swarm_key), verify=client_context(access.tls))
     return create_tracker_app(registry, config, prober=prober, access=access, forwarder=forwarder)
 
@@ -92,7 +93,7 @@ def build_tracker_node_app(
     span = entry_span(node)
     request = node_registration(replace(node, layers=str(span)), span, access.tls)
     service = node_service(node, request.node_id, access, registry.metrics)
-    rules = [*node_rules(service.limits), *api_rules(limits)]
+    rules = [*node_rules(service.limits), *api_rules(limits, access.swarm_key is not None)]
     prober = OwnNodeTrusted(
         HttpProber(signer, verify=client_context(access.tls)), request.node_id, request.address
     )
@@ -121,7 +122,10 @@ def build_tracker_node_app(
     role.add(model)
     # other models this tracker offers are answered by their entries (ADR-0028)
     forwarder = EntryForwarder(
-        registry, forwarding_client(access.tls), exclude=frozenset({request.node_id})
+        registry,
+        forwarding_client(access.tls),
+        exclude=frozenset({request.node_id}),
+        signer=signer,
     )
     app.include_router(
         api_router(

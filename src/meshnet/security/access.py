@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -285,6 +286,8 @@ class Guard:
             self.in_flight.give(len(body.data))
             await error_response(exc)(scope, receive, send)
             return
+        if client == "swarm" and "client" in found.needs:  # a client a tracker let in
+            client = forwarded_client(headers) or client
         try:
             scope = {**scope, CLIENT_KEY: client}
             await self.app(scope, replay_body(body.data, receive), admission.answers(send))
@@ -314,6 +317,16 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+_FORWARDED_RE = re.compile(r"^(key|ip):[A-Za-z0-9.:\[\]_-]{1,64}$")
+
+
+def forwarded_client(headers: dict[str, str]) -> str | None:
+    """The client a member-signed call is made for (`X-Meshnet-Client`, bound by the proof):
+    its limits are that client's. None when absent or not a client identity."""
+    value = headers.get("x-meshnet-client", "").strip()
+    return f"via-{value}" if _FORWARDED_RE.match(value) else None
 
 
 def client_of(scope: Scope) -> str:

@@ -77,6 +77,7 @@ def create_app(
     app = FastAPI(title="meshnet tracker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.state.metrics = registry.metrics
+    app.state.forwarder = forwarder
     registry.metrics.on_scrape(lambda: _sample(registry))
     app.add_route("/metrics", registry.metrics.endpoint, methods=["GET"], include_in_schema=False)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")

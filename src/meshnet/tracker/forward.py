@@ -1,17 +1,26 @@
 """The tracker's door for clients: OpenAI requests forwarded to a live entry of their model.
 
 A tracker that runs no model itself still answers `POST /v1/chat/completions` and
-`/v1/completions`: it reads the body's `model`, picks the least loaded live entry
-(`views.entries`), and relays the entry's answer as it comes (SSE streams included). An
-entry that cannot be reached, or answers 5xx, before the first byte is reported and the next
-entry is tried. A stream that breaks mid-way ends with an error event, not a hang.
+`/v1/completions`: it reads the body's `model`, picks a live entry (`views.entries`), and
+relays the entry's answer as it comes (SSE streams included). An entry that cannot be
+reached, or answers 5xx, before the first byte is reported and the next entry is tried. A
+stream that breaks mid-way ends with an error event, not a hang.
+
+The tracker's own guard checked the client's API key; the entry gets a member-signed call
+that names the client (`X-Meshnet-Client`, for its per-client limits) and never the key
+itself (review N4: a member that registered as an entry collected clients' Bearer keys).
+Entries are taken in the order of the calls this tracker has in flight to each, ties at
+random: what the tracker measured, not what an entry says of its own load (N4: a member
+reporting 0 sessions got every call).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from starlette.background import BackgroundTask
@@ -19,12 +28,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from meshnet.errors import RequestError, RouteError
+from meshnet.security.access import client_of
+from meshnet.security.signing import Signer
+from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId
 
 log = logging.getLogger(__name__)
-PASSED_HEADERS = ("authorization", "content-type", "accept")  # what a client's call keeps
+PASSED_HEADERS = ("content-type", "accept")  # what a client's call keeps: never its key
+CLIENT_HEADER = "X-Meshnet-Client"  # who the tracker let in, for the entry's limits
 MAX_TRIES = 3  # entries tried before the client gets the last error
 
 
@@ -40,10 +53,15 @@ class EntryForwarder:
         registry: Registry,
         client: httpx.AsyncClient,
         exclude: frozenset[str] = frozenset(),
+        signer: Signer | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.exclude = exclude  # a tracker-as-node's own id: never forward to itself
+        self.signer = signer or Signer(None)  # its calls to entries are member calls
+        self.rng = rng or random.Random()
+        self.in_flight: dict[str, int] = {}  # calls forwarded and not yet answered, by entry
 
     async def forward(self, request: Request) -> Response:
         body = await request.body()
@@ -55,23 +73,43 @@ class EntryForwarder:
         if not listed:
             raise NoEntryError(self._why_none(model), field="model")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        headers[CLIENT_HEADER] = client_of(request.scope)
         error: Exception | None = None
-        for entry in listed[:MAX_TRIES]:
-            call = self.client.build_request(
-                "POST", entry.address + request.url.path, content=body, headers=headers
+        for entry in self._order(listed)[:MAX_TRIES]:
+            path = request.url.path
+            signed = headers | self.signer.headers(
+                "POST", path, body, to=entry.node_id, headers=headers
             )
+            call = self.client.build_request(
+                "POST", entry.address + path, content=body, headers=signed
+            )
+            self._count(entry.node_id, 1)
             try:
                 answer = await self.client.send(call, stream=True)
             except httpx.TransportError as exc:
+                self._count(entry.node_id, -1)
                 error = exc
                 self.registry.report(NodeId(entry.node_id), f"forwarding failed: {exc}")
                 continue
             if answer.status_code >= 500:
+                self._count(entry.node_id, -1)
                 error = RouteError(f"entry {entry.node_id} answered {answer.status_code}")
                 await answer.aclose()
                 continue
-            return _relay(answer)
+            return _relay(answer, functools.partial(self._count, entry.node_id, -1))
         raise RouteError(f"no entry of {model} took the request (last: {error})", field="model")
+
+    def _order(self, listed: list[msg.EntryInfo]) -> list[msg.EntryInfo]:
+        """The entries with the fewest calls this tracker has in flight to them first."""
+        keyed = [(self.in_flight.get(e.node_id, 0), self.rng.random(), e) for e in listed]
+        return [e for *_, e in sorted(keyed, key=lambda k: (k[0], k[1]))]
+
+    def _count(self, entry: str, change: int) -> None:
+        left = self.in_flight.get(entry, 0) + change
+        if left > 0:
+            self.in_flight[entry] = left
+        else:
+            self.in_flight.pop(entry, None)
 
     def _why_none(self, model: str) -> str:
         """503 text: a gap in the model's layers, or no entry running its head."""
@@ -95,13 +133,19 @@ def model_of(body: bytes) -> str:
     return model
 
 
-def _relay(answer: httpx.Response) -> StreamingResponse:
+def _relay(answer: httpx.Response, done: Callable[[], None]) -> StreamingResponse:
+    """The entry's answer as it comes; `done` once it is over."""
     kind = answer.headers.get("content-type", "application/json")
+
+    async def close() -> None:
+        done()
+        await answer.aclose()
+
     return StreamingResponse(
         _chunks(answer, kind.startswith("text/event-stream")),
         status_code=answer.status_code,
         media_type=kind,
-        background=BackgroundTask(answer.aclose),
+        background=BackgroundTask(close),
     )
 
 
