@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from meshnet.entry.routes import StaticRoutes
-from meshnet.entry.spotcheck import Bans, SpotChecker, outliers, relative_error, tolerance
+from meshnet.entry.spotcheck import (
+    Bans,
+    SpotChecker,
+    copy_route,
+    outliers,
+    relative_error,
+    tolerance,
+)
 from meshnet.errors import MissingLayersError
 from meshnet.node.runner import EchoRunner
-from meshnet.types import Quant
+from meshnet.types import Hop, LayerSpan, NodeId, Quant
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 from tests.entry.test_failover import PARAMS, PROMPT, failure_free
@@ -38,6 +46,11 @@ def off_by(fraction: float) -> torch.Tensor:
         ([("a", 0.0, "nf4"), ("b", 0.3, "bf16")], []),  # nf4 differs more, honestly
         ([("a", 0.0, "int8"), ("b", 0.3, "bf16")], ["a", "b"]),  # int8 does not
         ([("a", 0.0, None), ("b", 0.3, "bf16")], []),  # unknown: the loose bound
+        # N8: a liar that declares nf4 (or q4) passed 30% noise against any copy; a copy of
+        # the same quantization holds the same weights and catches it
+        ([("a", 0.0, "nf4"), ("b", 0.3, "nf4")], ["a", "b"]),
+        ([("a", 0.0, "q4"), ("b", 0.3, "q4")], ["a", "b"]),
+        ([("a", 0.0, "nf4"), ("b", 0.05, "nf4")], []),  # honest: compute dtype, batching
     ],
 )
 def test_whoever_agrees_with_no_other_copy_is_guilty(
@@ -135,3 +148,17 @@ def test_rate_zero_checks_nothing() -> None:
     generator, transport, runners, checker = checked_mesh(rate=0.0)
     run(collect(generator, PROMPT, PARAMS))
     assert checker.tokens_rerun == 0 and not [f for f in transport.frames if f[0] == "b3"]
+
+
+def test_a_copy_is_drawn_from_another_host_when_there_is_one() -> None:
+    """Review N8: two lying copies on one host agreed and the honest one was banned. The
+    copies that check (and judge) come from hosts not yet asked, when the mesh has one."""
+    span = LayerSpan(4, 6)
+    same = [Hop(NodeId(f"x{i}"), f"http://10.0.0.1:{i}", span) for i in (1, 2)]
+    other = Hop(NodeId("y"), "http://10.0.0.2:1", span)
+    pipeline = SimpleNamespace(model="m", routes=StaticRoutes([*same, other]))
+    found = run(copy_route(pipeline, span, frozenset({NodeId("x1")}), frozenset({"10.0.0.1"})))  # type: ignore[arg-type]
+    assert found == [other]
+    alone = SimpleNamespace(model="m", routes=StaticRoutes(same))  # no other host: any copy
+    fallback = run(copy_route(alone, span, frozenset({NodeId("x1")}), frozenset({"10.0.0.1"})))  # type: ignore[arg-type]
+    assert fallback == [same[1]]
