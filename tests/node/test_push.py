@@ -12,6 +12,9 @@ from dataclasses import replace
 import httpx
 import pytest
 import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
 
 from meshnet.config import AccessConfig, WireConfig, WireLimits
 from meshnet.entry.transport import HttpTransport
@@ -269,3 +272,29 @@ def test_a_routes_budget_is_capped_by_the_hops_own_timeout() -> None:
         started = time.monotonic()
         answer = run(send(service, app, [(headers, body)]))[0]
     assert answer.status_code == 502 and time.monotonic() - started < 5.0
+
+
+def test_an_unsigned_refusal_naming_another_hop_is_the_first_hops_failure() -> None:
+    """Review N9: error answers went unchecked, so a forged 502 `push_failed` naming any
+    node (on the path, or from the first hop itself) got that node banned and reported. A
+    member's app signs its refusals; words nobody signed count against whoever sent them."""
+    forged = b'{"error":{"message":"n-2 failed","code":"push_failed","failed":"n-2","status":502}}'
+
+    async def refuse(request: Request) -> Response:
+        await request.body()
+        return Response(forged, status_code=502, media_type="application/json")
+
+    liar = Starlette()
+    liar.add_route("/forward", refuse, methods=["POST"])
+    entry, entry_app = node("n-0", [])
+    with serving(entry_app) as entry_port, serving(liar) as liar_port:  # type: ignore[arg-type]
+        hops = [
+            Hop(NodeId("n-1"), f"http://127.0.0.1:{liar_port}", SPANS["n-1"]),
+            Hop(NodeId("n-2"), "http://127.0.0.1:9", SPANS["n-2"]),
+        ]
+        reply = Reply(NodeId("n-0"), f"http://127.0.0.1:{entry_port}")
+        transport = HttpTransport(timeout_s=5.0, signer=Signer(KEY), inbox=entry.inbox, reply=reply)
+        with pytest.raises(HopError) as caught:
+            run(push(transport, hops, [(meta(0, "n9"), torch.randn(1, 2, 16))]))
+    assert caught.value.hop is not None and caught.value.hop.node_id == "n-1"
+    assert "unsigned" in caught.value.message

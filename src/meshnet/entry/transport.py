@@ -97,7 +97,7 @@ class HttpTransport:
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         owned = {PROOF: self.keys.frame_proof(meta, (hop.span,))}
-        status, headers, body = await self._post(
+        status, headers, body, _ = await self._post(
             hop, meta, hidden, owned, self.limits.max_body_bytes
         )
         if status != 200:
@@ -139,9 +139,16 @@ class HttpTransport:
         first = route.hops[0]
         extra = route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
         extra[PROOF] = self.keys.frame_proof(meta, tuple(hop.span for hop in route.hops))
-        status, _, body = await self._post(first, meta, hidden, extra, MAX_ANSWER_BYTES)
+        status, _, body, signed = await self._post(first, meta, hidden, extra, MAX_ANSWER_BYTES)
         if status != 200:
-            raise blamed(route, passed_back(first.node_id, status, body))
+            error = passed_back(first.node_id, status, body)
+            if not signed:  # review N9: unsigned words naming another node are the first's
+                error = PushError(
+                    f"{first.node_id} answered {status} (unsigned)",
+                    failed=first.node_id,
+                    status=status,
+                )
+            raise blamed(route, error)
 
     async def _post(
         self,
@@ -150,9 +157,10 @@ class HttpTransport:
         hidden: torch.Tensor,
         extra: dict[str, str],
         max_bytes: int,
-    ) -> tuple[int, Mapping[str, str], bytes]:
-        """POST one signed frame to `hop`'s `/forward`: its answer's status, headers and body
-        (at most `max_bytes`). A 200 answer is checked signed and times the link (ADR-0037)."""
+    ) -> tuple[int, Mapping[str, str], bytes, bool]:
+        """POST one signed frame to `hop`'s `/forward`: its answer's status, headers, body
+        (at most `max_bytes`) and whether the hop signed it. A 200 answer must be signed
+        (else a `HopError`) and times the link (ADR-0037)."""
         self.peers.seen(hop.node_id, hop.address)
         frame = encode(hidden, meta, self.wire, self.links.bytes_per_s(hop.node_id))
         data = bytes(frame.body)
@@ -171,7 +179,9 @@ class HttpTransport:
             self._check_signed(hop, headers, response, body)
             took_s = time.perf_counter() - sent_s
             self.links.record(hop.node_id, len(data) + len(body), took_s, hold_s(response.headers))
-        return response.status, response.headers, body
+            return response.status, response.headers, body, True
+        signed = self.signer.signed(headers, response.status, response.headers.items(), body)
+        return response.status, response.headers, body, signed
 
     def _check_signed(
         self, hop: Hop, sent: dict[str, str], response: aiohttp.ClientResponse, body: bytes

@@ -54,12 +54,25 @@ class Signer:
         must carry the answering member's MAC over our nonce, its headers and its body."""
         if self.key is None or not 200 <= status < 300:
             return  # refusals carry no directives or activations; a guard's 401 is unsigned
+        if not self.signed(sent, status, headers, body):
+            raise AuthError(f"{ANSWER_HEADER} is missing or wrong", field=ANSWER_HEADER)
+
+    def signed(
+        self,
+        sent: Mapping[str, str],
+        status: int,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+    ) -> bool:
+        """Whether the answering member signed this answer, whatever its status (True
+        without a key). An app's refusals are signed; only the guard's own are not."""
+        if self.key is None:
+            return True
         headers = list(headers)
         given = next((v for k, v in headers if k.lower() == ANSWER_HEADER.lower()), "")
         nonce = parse(_get(sent, HEADER)).nonce
         mac = answer_mac(self.key, nonce, status, headers, hashlib.sha256(body).hexdigest())
-        if not hmac.compare_digest(f"v2 s={mac}", given.strip()):
-            raise AuthError(f"{ANSWER_HEADER} is missing or wrong", field=ANSWER_HEADER)
+        return hmac.compare_digest(f"v2 s={mac}", given.strip())
 
     def auth(self, to: str, *, answers: bool = True) -> httpx.Auth | None:
         """httpx auth for calls to the member `to`; `answers`: check 2xx answers are signed
