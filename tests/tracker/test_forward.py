@@ -240,3 +240,12 @@ def test_a_tracker_as_node_never_forwards_to_itself() -> None:
         "/v1/chat/completions", json=CHAT
     )
     assert got.json()["host"] == "b" and called == ["b"]
+
+
+def test_a_wrong_key_stops_at_the_tracker_and_reaches_no_entry() -> None:
+    """Review N10: 62 calls with a wrong key through the tracker got 7 answers, from a keyless
+    entry the planner had made (it took the tracker's loopback call as trusted). The tracker
+    now checks the key itself and forwards only the clients it let in."""
+    client, _, called = tracker(answer)
+    wrong = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer x"})
+    assert wrong.status_code == 401 and called == []
