@@ -7,7 +7,10 @@ A node process (an echo runner behind the real guard and uvicorn settings, swarm
 is probed over raw sockets: how many body bytes it takes before refusing an unsigned or
 stale upload, how many header bytes before refusing oversized headers, how long half-sent
 headers or a stalled signed body keep a connection, and the node's RSS after 100 refused
-48 MiB uploads at once.
+48 MiB uploads at once. Then the review of 2026-12-06's member attacks (N1-N3, N6): what a
+member's signed call gets after 1,100 half-sent requests and 61 refusals from its address,
+and what a member that did not open a session gets when it forks, continues or closes it,
+or pushes a frame to an address the tracker does not list.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshnet.security.swarm import SwarmKey, sign
+import httpx
+import torch
+
+from meshnet.security.ownership import PROOF, SessionKeys
+from meshnet.security.signing import Signer
+from meshnet.security.swarm import SwarmKey, route_proof, sign
+from meshnet.types import LayerSpan, ModelId
+from meshnet.wire import FrameMeta, encode
 
 KEY = "attack-benchmark-swarm-key-padded-to-128-bits-0123456789"
 MiB = 1 << 20
@@ -153,6 +163,77 @@ def probe_bomb(megabytes: int) -> tuple[str, float]:
     return outcome, rss_mib(os.getpid()) - before
 
 
+def member_call(
+    port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> str:
+    """A member's signed call: the answer's status line."""
+    headers = dict(headers or {})
+    headers |= Signer(KEY).headers(method, path, body, to=TO, headers=headers)
+    url = f"http://127.0.0.1:{port}{path}"
+    answer = httpx.request(method, url, content=body, headers=headers, timeout=30)
+    return f"{answer.status_code} {answer.reason_phrase}"
+
+
+def frame_call(port: int, meta: FrameMeta, proof: str | None, extra: dict[str, str]) -> str:
+    frame = encode(torch.randn(1, 2, 16), meta)
+    owned = {PROOF: proof} if proof else {}
+    return member_call(port, "POST", "/forward", bytes(frame.body), frame.headers | owned | extra)
+
+
+IDENTITY = "/v1/identity?challenge=0123456789abcdef"  # a member call that answers 200
+
+
+def crowded_rows(port: int) -> list[tuple[str, str, int | str, str]]:
+    """N1, N2: strangers on the members' address, then a member's signed call."""
+    socks = []
+    try:
+        for _ in range(1100):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+            sock.setblocking(False)
+            socks.append(sock)
+        member = member_call(port, "GET", IDENTITY)
+        still = sum(answered(s) is None for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    refused = Counter(upload(port, None)[0].split(" ")[1] for _ in range(61))
+    after = member_call(port, "GET", IDENTITY)
+    seen = ", ".join(f"{n} x {code}" for code, n in sorted(refused.items()))
+    return [
+        ("N1 member call with 1,100 half-sent requests held", member, still, "of them open"),
+        ("N2 member call after 61 refused calls from its address", after, seen, "refused"),
+    ]
+
+
+def session_rows(port: int) -> list[tuple[str, str, int | str, str]]:
+    """N3, N6: a member that did not open a session, and a push to an address no tracker
+    lists (this node has none: it pushes to no one)."""
+    victim, attacker = SessionKeys(), SessionKeys()
+    session, span, model = victim.new_id(), LayerSpan(0, 10), ModelId("default")
+    opened = FrameMeta(session, model, span, 0)
+    frame_call(port, opened, victim.frame_proof(opened, (span,)), {})
+    mine = attacker.new_id()
+    fork = FrameMeta(mine, model, span, 2, fork=session)
+    step = FrameMeta(session, model, span, 2)
+    pushed = FrameMeta(attacker.new_id(), model, span, 0)
+    route = f"{TO} 0:10 http://127.0.0.1:{port}, svc 10:20 http://127.0.0.1:18199"
+    reply = "e http://127.0.0.1:1"
+    proof = route_proof(SwarmKey.from_text(KEY), pushed.session, model, route, reply)
+    push = {"X-Meshnet-Route": route, "X-Meshnet-Reply-To": reply}
+    push |= {"X-Meshnet-Route-Proof": proof, "X-Meshnet-Budget-Ms": "3600000"}
+    forked = frame_call(port, fork, attacker.frame_proof(fork, (span,)), {})
+    stepped = frame_call(port, step, None, {})
+    closed = member_call(port, "DELETE", f"/sessions/{session}")
+    sent = frame_call(port, pushed, attacker.frame_proof(pushed, (span,)), push)
+    return [
+        ("N3 fork of another entry's session", forked, 0, "tokens read back"),
+        ("N3 step on another entry's session", stepped, 0, "tokens read back"),
+        ("N3 close of another entry's session", closed, 0, "sessions lost"),
+        ("N6 push to an address no tracker lists", sent, 0, "bytes sent there"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the quick probes only")
@@ -184,6 +265,8 @@ def main() -> None:
             rows.append(
                 ("signed body stalled after 10 bytes", status, round(took, 1), "s until answered")
             )
+        rows += session_rows(port)  # before the refusals below, which throttle strangers
+        rows += crowded_rows(port)
         before = rss_mib(node.pid)
         with ThreadPoolExecutor(100) as pool:
             answers = list(pool.map(lambda _: upload(port, None), range(100)))
