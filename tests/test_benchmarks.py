@@ -146,10 +146,7 @@ def test_attack_benchmark_prints_what_each_probe_got() -> None:
     for attack in ("fork of", "step on", "close of"):  # review of 2026-12-06, N3
         assert rows[f"N3 {attack} another entry's session"][0] == "403 Forbidden"
     assert rows["N6 push to an address no tracker lists"][0] == "400 Bad Request"
-    crowded = rows["N1 member call with 1,100 half-sent requests held"]
-    assert crowded[0] == "200 OK" and int(crowded[1]) <= 256  # the rest were closed
-    throttled = rows["N2 member call after 61 refused calls from its address"]
-    assert throttled[0] == "200 OK" and "429" in throttled[1]  # the stranger is throttled
+    # N1 and N2 run in the full benchmark only: tests/security/test_server.py checks them
 
 
 @pytest.mark.slow
