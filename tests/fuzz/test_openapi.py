@@ -50,8 +50,13 @@ def tracker() -> tuple[FastAPI, Callable[[TestClient], None]]:
         registry, TrackerConfig(route_seed=0), prober=TrustingProber(), access=AccessConfig(KEY)
     )
 
+    token: list[str] = []  # the anchor's membership token: it registers again with it (N5)
+
     def still_right(client: TestClient) -> None:
-        assert client.post("/v1/nodes/register", json=ANCHOR).status_code == 200
+        kept = {"token": token[-1]} if token else {}
+        again = client.post("/v1/nodes/register", json=ANCHOR | kept)
+        assert again.status_code == 200, again.text
+        token.append(again.json()["token"])
         route = client.get("/v1/route", params={"model": "m"})
         assert route.status_code == 200, route.text
         ends = [(h["span"]["start"], h["span"]["end"]) for h in route.json()["hops"]]

@@ -193,7 +193,9 @@ class Credentials:
         if not needs:
             return Settled(f"ip:{_client_host(scope)}")
         unchecked = self.verifier is None  # no swarm key configured: member calls go unchecked
-        if "swarm" in needs and ("client" not in needs or unchecked or HEADER.lower() in headers):
+        # where either will do, a bearer key makes it a client's call, a proof a member's
+        proof = HEADER.lower() in headers and "authorization" not in headers
+        if "swarm" in needs and ("client" not in needs or unchecked or proof):
             return self._swarm(scope, headers)
         return Settled(self._client(scope, headers))
 
