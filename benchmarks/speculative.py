@@ -1,7 +1,8 @@
 """Speculative decoding over slow links (ADR-0038): prompt-lookup drafts against plain decoding.
 
     python benchmarks/speculative.py          # 0 and 25 ms one-way per link, int8, 3 prompts
-    python benchmarks/speculative.py --tiny   # 0 ms, fp32, the quote only, short (the tests)
+    python benchmarks/speculative.py --tiny   # 0 ms, fp32, the quote only, short
+    (the tests run the tiny table on the wan benchmark's mesh: `wan.py --compare all --tiny`)
 
 The WAN harness of `benchmarks/wan.py`: a tracker-as-entry-node (0:10), two nodes (10:20,
 20:30) and two entries of 0:10, one plain and one with `--draft lookup`, each process
@@ -96,36 +97,54 @@ def main() -> None:
     parser.add_argument("--delays", default="0,25", help="one-way delays (ms) per link")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="of: " + ", ".join(PROMPTS))
     args = parser.parse_args()
-    delays = [0.0] if args.tiny else [float(d) for d in args.delays.split(",")]
-    kinds = ["quote"] if args.tiny else args.prompts.split(",")
-    prompts = {kind: PROMPTS[kind] for kind in kinds}
-    tokens, repeats = (16, 1) if args.tiny else (args.tokens, args.repeats)
+    link = Link()
+    with (
+        tempfile.TemporaryDirectory(prefix="meshnet-spec-") as logs,
+        mesh(Path(logs), "fp32" if args.tiny else args.quant, link, ("drafts",)) as (urls, _),
+    ):
+        if args.tiny:
+            tiny_table(urls, link)
+            return
+        kinds = args.prompts.split(",")
+        delays = [float(d) for d in args.delays.split(",")]
+        table(urls, link, {k: PROMPTS[k] for k in kinds}, args.tokens, args.repeats, delays)
+
+
+def tiny_table(urls: dict[str, str], link: Link) -> None:
+    """0 ms, the quote only, short: what the tests run (`wan.py --compare all --tiny`)."""
+    table(urls, link, {"quote": PROMPTS["quote"]}, 16, 1, [0.0])
+
+
+def table(
+    urls: dict[str, str],
+    link: Link,
+    prompts: dict[str, str],
+    tokens: int,
+    repeats: int,
+    delays: list[float],
+) -> None:
+    """A row per prompt and delay: the plain and the lookup entry side by side."""
     print(
         "| prompt | one-way delay | plain tokens/s | lookup tokens/s | speedup | drafts "
         "accepted | tokens per trip | same text |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
-    link = Link()
-    with (
-        tempfile.TemporaryDirectory(prefix="meshnet-spec-") as logs,
-        mesh(Path(logs), "fp32" if args.tiny else args.quant, link, "drafts") as (urls, _),
-    ):
-        for url in urls.values():  # warm-up: first passes, and the planner settling
-            with httpx.Client(base_url=url, timeout=600) as client:
-                for text in prompts.values():
-                    chat(client, text, 8)
-        for delay in delays:
-            link.delay_s = delay / 1000
-            for kind, text in prompts.items():
-                rows = measure(urls, text, tokens, repeats)
-                plain, lookup = rows["plain"], rows["lookup"]
-                print(
-                    f"| {kind} | {delay:.0f} ms | {plain['tokens_s']:.1f} | "
-                    f"{lookup['tokens_s']:.1f} | {lookup['tokens_s'] / plain['tokens_s']:.2f}x | "
-                    f"{lookup['accepted']} of {lookup['drafted']} | {lookup['per_trip']:.2f} | "
-                    f"{'yes' if lookup['text'] == plain['text'] else 'NO'} |",
-                    flush=True,
-                )
+    for url in urls.values():  # warm-up: first passes, and the planner settling
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for text in prompts.values():
+                chat(client, text, 8)
+    for delay in delays:
+        link.delay_s = delay / 1000
+        for kind, text in prompts.items():
+            rows = measure(urls, text, tokens, repeats)
+            plain, lookup = rows["plain"], rows["lookup"]
+            print(
+                f"| {kind} | {delay:.0f} ms | {plain['tokens_s']:.1f} | "
+                f"{lookup['tokens_s']:.1f} | {lookup['tokens_s'] / plain['tokens_s']:.2f}x | "
+                f"{lookup['accepted']} of {lookup['drafted']} | {lookup['per_trip']:.2f} | "
+                f"{'yes' if lookup['text'] == plain['text'] else 'NO'} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

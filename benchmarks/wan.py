@@ -3,6 +3,7 @@
     python benchmarks/wan.py          # {0, 5, 25, 50} ms x {unlimited, 100 Mbit/s}, int8
     python benchmarks/wan.py --tiny   # 0 and 5 ms, unlimited, fp32, short prompts (the tests)
     python benchmarks/wan.py --compare encodings [--tiny]   # `auto` against none and zstd
+    python benchmarks/wan.py --compare all --tiny   # designs, encodings and drafts on one mesh
 
 A tracker-as-entry-node (layers 0:10), two nodes (10:20, 20:30) and two more entries (0:10),
 real processes. Each node registers `--public-address` pointing at its own proxy, so every
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,6 +58,7 @@ CHUNK = 128  # prefill tokens a frame
 # the entries each comparison runs: flags of its two `node --entry`s, and the tracker's name
 DESIGNS = {"sequential": ["--no-push", "--no-pipelined-prefill"], "push": ["--push"]}
 ENCODINGS = {e: ["--no-push", "--wire-encoding", e] for e in ("none", "zstd-shuffle")}
+ALL = ("designs", "encodings", "drafts")  # `--compare all`: one mesh for the three (the tests)
 COMPARISONS = {
     "designs": (DESIGNS, "relay", ("sequential", "relay", "push")),
     "encodings": (ENCODINGS, "auto", ("none", "zstd-shuffle", "auto")),
@@ -71,13 +73,20 @@ COMPARISONS = {
 
 @contextmanager
 def mesh(
-    logs: Path, quant: str, link: Link, compare: str, auto_below_mbit_s: float | None = None
+    logs: Path,
+    quant: str,
+    link: Link,
+    compare: Sequence[str],
+    auto_below_mbit_s: float | None = None,
 ) -> Iterator[tuple[dict[str, str], list[str]]]:
-    """Three entries of layers 0:10 over the same nodes 10:20 and 20:30, one per mode (see
-    the module's docstring). Every process is reached by its peers through its own proxy on
-    `link` (an entry too: the last hop's pushed answer crosses a link), while clients and
-    heartbeats reach the tracker directly. The entries' URLs by mode, and the nodes' URLs."""
-    entries, tracker_mode, order = COMPARISONS[compare]
+    """The entries of layers 0:10 of each comparison in `compare` (the tracker is one of
+    them) over the same nodes 10:20 and 20:30, one per mode (see the module's docstring).
+    Every process is reached by its peers through its own proxy on `link` (an entry too:
+    the last hop's pushed answer crosses a link), while clients and heartbeats reach the
+    tracker directly. The entries' URLs by mode, and the nodes' URLs."""
+    entries = {mode: flags for c in compare for mode, flags in COMPARISONS[c][0].items()}
+    tracker_modes = [COMPARISONS[c][1] for c in compare]
+    order = list(dict.fromkeys(mode for c in compare for mode in COMPARISONS[c][2]))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MESHNET_SWARM_KEY": secrets.token_hex(32)}
@@ -109,7 +118,7 @@ def mesh(
             with httpx.Client(base_url=entry_url, timeout=600) as client:
                 wait_answers(client)
         nodes = [f"http://127.0.0.1:{p}" for p in node_ports]
-        urls[tracker_mode] = url
+        urls |= {mode: url for mode in tracker_modes}
         yield {mode: urls[mode] for mode in order}, nodes
 
 
@@ -233,57 +242,91 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="int8")
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="designs")
+    parser.add_argument("--compare", choices=[*sorted(COMPARISONS), "all"], default="designs")
     parser.add_argument("--mode", default=["all"], nargs="+", help="of the comparison's three")
     parser.add_argument("--lengths", default="16,512,2048", help="prompt lengths for TTFT")
     parser.add_argument("--delays", default="0,5,25,50", help="one-way delays (ms) per link")
     parser.add_argument("--rates", default="0,100", help="link rates (Mbit/s, 0: unlimited)")
     args = parser.parse_args()
-    tiny, designs = args.tiny, args.compare == "designs"
-    auto_below = None
-    if tiny:  # encodings: loopback against a link slow enough to pay for compression
-        args.delays, args.rates = ("0,5", "0") if designs else ("0", "0,20")
-        # a 2-core machine busy with other work measured its loopback below the default
-        # 600 Mbit/s (suite runs of 2026-12-03 and -04); 100 Mbit/s still tells it from the
-        # 20 Mbit/s link, with a factor of 5 on either side
-        auto_below = 100.0
+    tiny = args.tiny
+    compared = ALL if args.compare == "all" else (args.compare,)
+    # tiny: a 2-core machine busy with other work measured its loopback below the default
+    # 600 Mbit/s (suite runs of 2026-12-03 and -04); 100 Mbit/s still tells it from the
+    # 20 Mbit/s link of the encodings, with a factor of 5 on either side
+    auto_below = 100.0 if tiny else None
     lengths = [16, 160] if tiny else [int(n) for n in args.lengths.split(",")]  # 160: 2 chunks
     tokens, repeats = (4, 1) if tiny else (args.tokens, args.repeats)
-    delays = [float(d) for d in args.delays.split(",")]
-    rates = [float(r) * 1e6 if float(r) else None for r in args.rates.split(",")]
     prompts = prompts_for(load_tokenizer(resolve("default")), lengths)
-    print(designs_head(lengths) if designs else encodings_head(lengths))
     link = Link()
     with (
         tempfile.TemporaryDirectory(prefix="meshnet-wan-") as logs,
-        mesh(Path(logs), "fp32" if tiny else args.quant, link, args.compare, auto_below) as (
+        mesh(Path(logs), "fp32" if tiny else args.quant, link, compared, auto_below) as (
             urls,
             nodes,
         ),
     ):
-        urls = {m: u for m, u in urls.items() if {m, "all"} & set(args.mode)}
-        base: dict[str, dict[str, float]] = {}
-        for rate in rates:
-            for delay in delays:
-                link.delay_s, link.rate_bps = delay / 1000, rate
-                rows = measure(urls, prompts, tokens, repeats)
-                base = base or rows  # the first row's compute (0 ms, unlimited)
-                for mode, row in rows.items():
-                    if designs:
-                        print(line(mode, link, row, base, lengths), flush=True)
-                    else:
-                        warm_link(urls[mode], prompts[max(prompts)])
-                        sent = traffic(urls[mode], nodes, prompts, tokens)
-                        measured = slowest_link_mbit_s(urls[mode])
-                        print(encodings_line(mode, link, row, lengths, sent, measured), flush=True)
-        if designs:
+        for compare in compared:
+            chosen = {m: urls[m] for m in COMPARISONS[compare][2] if {m, "all"} & set(args.mode)}
             link.delay_s, link.rate_bps = 0.0, None
-            for mode, url in urls.items():
-                per_token, _, per_prompt, _ = traffic(url, nodes, prompts, tokens)
-                print(
-                    f"\n{mode}: activation bytes the entry sends to its hops: {per_token:,.0f} a "
-                    f"decode token, {per_prompt:,.0f} for a {max(lengths)}-token prompt"
-                )
+            if compare == "drafts":  # benchmarks/speculative.py's table, on this mesh
+                from speculative import tiny_table  # it imports this module
+
+                tiny_table(chosen, link)
+                continue
+            delays, rates = grid(compare, tiny, args.delays, args.rates)
+            table(compare, chosen, nodes, link, prompts, lengths, tokens, repeats, delays, rates)
+            print()
+
+
+def grid(
+    compare: str, tiny: bool, delays: str, rates: str
+) -> tuple[list[float], list[float | None]]:
+    """The one-way delays (s) and link rates (bit/s, None: unlimited) a comparison runs at."""
+    if tiny:  # encodings: loopback against a link slow enough to pay for compression
+        delays, rates = ("0,5", "0") if compare == "designs" else ("0", "0,20")
+    return (
+        [float(d) / 1000 for d in delays.split(",")],
+        [float(r) * 1e6 if float(r) else None for r in rates.split(",")],
+    )
+
+
+def table(
+    compare: str,
+    urls: dict[str, str],
+    nodes: list[str],
+    link: Link,
+    prompts: dict[int, str],
+    lengths: list[int],
+    tokens: int,
+    repeats: int,
+    delays: list[float],
+    rates: list[float | None],
+) -> None:
+    """One comparison's table, a row per mode and link; the designs' bytes after it."""
+    designs = compare == "designs"
+    print(designs_head(lengths) if designs else encodings_head(lengths))
+    base: dict[str, dict[str, float]] = {}
+    for rate in rates:
+        for delay in delays:
+            link.delay_s, link.rate_bps = delay, rate
+            rows = measure(urls, prompts, tokens, repeats)
+            base = base or rows  # the first row's compute (0 ms, unlimited)
+            for mode, row in rows.items():
+                if designs:
+                    print(line(mode, link, row, base, lengths), flush=True)
+                else:
+                    warm_link(urls[mode], prompts[max(prompts)])
+                    sent = traffic(urls[mode], nodes, prompts, tokens)
+                    measured = slowest_link_mbit_s(urls[mode])
+                    print(encodings_line(mode, link, row, lengths, sent, measured), flush=True)
+    if designs:
+        link.delay_s, link.rate_bps = 0.0, None
+        for mode, url in urls.items():
+            per_token, _, per_prompt, _ = traffic(url, nodes, prompts, tokens)
+            print(
+                f"\n{mode}: activation bytes the entry sends to its hops: {per_token:,.0f} a "
+                f"decode token, {per_prompt:,.0f} for a {max(lengths)}-token prompt"
+            )
 
 
 def designs_head(lengths: list[int]) -> str:

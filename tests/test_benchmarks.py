@@ -164,10 +164,18 @@ def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
 
 @pytest.mark.mesh
 @pytest.mark.slow
-def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
-    """Real processes behind delaying proxies: the three designs side by side at 0 and 5 ms,
-    each row with its bounds; what each entry sends."""
-    out = run_tiny("wan.py")
+def test_wan_benchmark_designs_encodings_and_drafts_on_one_mesh() -> None:
+    """Real processes behind delaying proxies, one mesh for three tables (each mesh start
+    costs a worker ~30 s): the designs, the encodings, and speculative drafts."""
+    out = run_tiny("wan.py", 600, "--compare", "all")
+    check_designs(out[out.index("| mode |") : out.index("| entry encoding |")])
+    check_encodings(out[out.index("| entry encoding |") : out.index("| prompt |")])
+    check_drafts(out[out.index("| prompt |") :])
+
+
+def check_designs(out: str) -> None:
+    """The three designs side by side at 0 and 5 ms, each row with its bounds; what each
+    entry sends."""
     rows = [line.split("|") for line in out.splitlines() if " ms | " in line][1:]  # no head
     modes = ["sequential", "relay", "push"]
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [
@@ -187,8 +195,7 @@ def test_wan_benchmark_prints_rows_with_their_bounds() -> None:
     assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out
 
 
-@pytest.mark.mesh
-def test_wan_benchmark_shows_auto_compressing_over_the_slow_link() -> None:
+def check_encodings(out: str) -> None:
     """ADR-0037 end to end: three entries (none, zstd-shuffle, auto) over the same hops, on
     loopback and at 20 Mbit/s; `auto` keeps decode steps raw everywhere and compresses its
     prompt chunks over the slow link, which it measures under 100 Mbit/s.
@@ -197,7 +204,6 @@ def test_wan_benchmark_shows_auto_compressing_over_the_slow_link() -> None:
     fresh-clone suites on 2026-12-03/04 saw it compress its first chunk there although the
     link rate read after the run was above the threshold: only "never more than `none`" is
     asserted on loopback until that is understood (noted for an issue)."""
-    out = run_tiny("wan.py", 300, "--compare", "encodings")
     rows = [line.split("|") for line in out.splitlines() if " ms | " in line][1:]  # no head
     cells = {(r[1].strip(), r[3].strip()): [c.strip() for c in r[4:-1]] for r in rows}
     assert len(cells) == len(rows) == 6
@@ -212,10 +218,8 @@ def test_wan_benchmark_shows_auto_compressing_over_the_slow_link() -> None:
     assert all(b <= 368_640 for b in sent[("auto", "unlimited")][-2:])
 
 
-@pytest.mark.mesh
-def test_speculative_benchmark_compares_lookup_with_plain_decoding() -> None:
+def check_drafts(out: str) -> None:
     """ADR-0038 over real processes: the quote is drafted right, the text is the same."""
-    out = run_tiny("speculative.py")
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| quote |")]
     assert len(rows) == 1
     plain, lookup = float(rows[0][3]), float(rows[0][4])
