@@ -104,13 +104,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class MeshScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def __init__(self, config: pytest.Config, log: Any) -> None:
-            super().__init__(config, log)
-            config.option.loadscopereorder = False  # the order `add_node_collection` gives
-
         def add_node_collection(self, node: Any, collection: list[str]) -> None:
-            """The long tests first (real processes, real weights), so that the run ends
-            on short ones in both workers, not on one two-minute mesh with the other idle."""
+            """Scopes go out by size (the meshes' modules first), then in this order: the
+            long single tests (benchmarks, real weights) before the short ones, so that the
+            run ends on short tests in both workers, not on a two-minute one."""
             super().add_node_collection(node, sorted(collection, key=heaviness))
 
         def _split_scope(self, nodeid: str) -> str:
