@@ -104,12 +104,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class MeshScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def add_node_collection(self, node: Any, collection: list[str]) -> None:
-            """Scopes go out by size (the meshes' modules first), then in this order: the
-            long single tests (benchmarks, real weights) before the short ones, so that the
-            run ends on short tests in both workers, not on a two-minute one."""
-            super().add_node_collection(node, sorted(collection, key=heaviness))
-
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
             if module in SHARED_MESH_MODULES:
@@ -117,15 +111,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return module if module.startswith("tests/e2e/") else nodeid
 
     return MeshScheduling(config, log)
-
-
-HEAVY_FIRST = ("tests/e2e/", "tests/test_benchmarks.py", "tests/models/")
-
-
-def heaviness(nodeid: str) -> int:
-    """Where a test goes in the parallel run's queue: meshes, then benchmarks, then model
-    tests, then the rest (collection order within each)."""
-    return next((i for i, p in enumerate(HEAVY_FIRST) if nodeid.startswith(p)), len(HEAVY_FIRST))
 
 
 def skip_gpu_tests(items: list[pytest.Item]) -> None:
