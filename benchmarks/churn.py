@@ -34,7 +34,7 @@ from meshnet.models.sizing import layer_bytes
 from meshnet.models.spec import ModelSpec
 from meshnet.tracker.layout import Directive, Holding, ModelOffer, NodeView, first_break
 from meshnet.tracker.planner import plan
-from meshnet.types import QUANTS, LayerSpan, ModelId, NodeId
+from meshnet.types import CONVERSIONS, LayerSpan, ModelId, NodeId
 
 sys.path.insert(0, str(Path(__file__).parent))
 from baseline_planner import baseline_plan  # noqa: E402
@@ -67,7 +67,7 @@ class Tally:
 def shape_offer(index: int) -> ModelOffer:
     name, layers, hidden, heads, kv, inter = SHAPES[index % len(SHAPES)]
     spec = ModelSpec("llama", layers, hidden, heads, kv, inter, 128256, False, 8192)
-    per_layer: dict[str, int] = {q: layer_bytes(spec, q) for q in QUANTS}
+    per_layer: dict[str, int] = {q: layer_bytes(spec, q) for q in CONVERSIONS}
     return ModelOffer(ModelId(f"{name}-{index}"), layers, per_layer)
 
 
@@ -76,7 +76,7 @@ def draw_node(rng: random.Random, index: int, now_s: float) -> SimNode:
     if rng.random() < 0.3:  # a small CPU node
         budget, quant = rng.choice([1, 2, 3]) * GB, "nf4"
     else:
-        budget, quant = rng.choice([4, 8, 12, 16, 24, 48, 80]) * GB, rng.choice(QUANTS[1:])
+        budget, quant = rng.choice([4, 8, 12, 16, 24, 48, 80]) * GB, rng.choice(CONVERSIONS[1:])
     view = NodeView(NodeId(f"n{index:06d}"), budget, quant, rng.uniform(0.5, 4.0))
     return SimNode(view, now_s + lifetime_s(rng), now_s)
 

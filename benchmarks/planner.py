@@ -23,7 +23,7 @@ from meshnet.tracker.messages import HeartbeatRequest, ShardRef
 from meshnet.tracker.planner import ModelOffer, NodeView, plan, with_directives
 from meshnet.tracker.registry import Registry
 from meshnet.tracker.routing import Server, choose_route
-from meshnet.types import QUANTS, LayerSpan, ModelId, NodeId
+from meshnet.types import CONVERSIONS, LayerSpan, ModelId, NodeId
 
 GB = 10**9
 JSON = {"Content-Type": "application/json"}
@@ -46,7 +46,9 @@ def offers(count: int) -> list[ModelOffer]:
         name, layers, hidden, heads, kv, inter = SHAPES[i % len(SHAPES)]
         spec = ModelSpec("llama", layers, hidden, heads, kv, inter, 128256, False, 8192)
         out.append(
-            ModelOffer(ModelId(f"{name}-{i}"), layers, {q: layer_bytes(spec, q) for q in QUANTS})
+            ModelOffer(
+                ModelId(f"{name}-{i}"), layers, {q: layer_bytes(spec, q) for q in CONVERSIONS}
+            )
         )
     return out
 

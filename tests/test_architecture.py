@@ -154,3 +154,16 @@ def test_no_print_in_library_code() -> None:
         if p.relative_to(SRC).parts[0] not in allowed and "print(" in p.read_text()
     ]
     assert not offenders
+
+
+def test_a_ggml_span_computes_without_torch() -> None:
+    """The ggml backend's models part imports no torch (ADR-0051): a node whose spans are all
+    ggml needs torch only at its wire and runner seam."""
+    code = (
+        "import sys, numpy as np; from meshnet.models.source import resolve; "
+        "from meshnet.models.ggml_span import GgmlSpan; from meshnet.types import LayerSpan; "
+        "s = GgmlSpan(resolve('default').path, LayerSpan(0, 2)); "
+        "s.forward(np.zeros((2, 576), np.float32), s.new_cache(), 0); "
+        "print('torch' in sys.modules)"
+    )
+    assert python_says(code) == "False"

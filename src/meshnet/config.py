@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnet.types import Quant
+from meshnet.types import Backend, Quant
 
 MiB = 1 << 20
 # fp32 | bf16: what int8/nf4 layers compute in and the default quantization follow,
@@ -48,6 +48,8 @@ class NodeConfig:
     # auto | cpu | cuda | cuda:N: where weights, KV caches and compute live (ADR-0039); the
     # node resolves "auto" once at start-up (CUDA when PyTorch sees a device)
     device: str = "auto"
+    # auto: ggml for a GGUF file on the CPU at the file's own types, else torch (ADR-0051)
+    backend: Backend = "auto"
     host: str = "127.0.0.1"
     port: int = 8001
     session_ttl_s: float = 600.0  # idle sessions' caches are dropped after this

@@ -13,8 +13,13 @@ ModelId = NewType("ModelId", str)
 
 # what a model source is: the embedded default, a .gguf file, a checkpoint folder, a hub id
 SourceKind = Literal["default", "gguf", "folder", "hub"]
-Quant = Literal["fp32", "bf16", "int8", "nf4", "q4"]  # how a node stores its layers' weights
+# how a node stores its layers' weights; "gguf": as its GGUF file stores them (ggml computes)
+Quant = Literal["fp32", "bf16", "int8", "nf4", "q4", "gguf"]
 QUANTS: tuple[Quant, ...] = get_args(Quant)
+# what torch converts a model's weights to (sized from its config alone: `sizing.layer_bytes`)
+CONVERSIONS: tuple[Quant, ...] = tuple(q for q in QUANTS if q != "gguf")
+Backend = Literal["auto", "torch", "ggml"]  # what computes a node's layers (ADR-0051)
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ComputeDtype = Literal["fp32", "bf16"]  # what int8/nf4/q4 layers compute in (ADR-0024)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 # where a node's weights, caches and compute live: "auto" (CUDA when PyTorch sees one, else

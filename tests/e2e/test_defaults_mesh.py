@@ -1,43 +1,82 @@
-"""A mesh started as the README starts one, on the defaults: no --quant (bf16 where the CPU
-has fast bf16, else fp32), the default heartbeat and expiry, the default swarm key file (which
-the node finds by itself) and default data folders (under the tests' private HOME)."""
+"""A mesh started as the README starts one, on the defaults: no --quant or --backend (the
+default GGUF file's layers, embeddings and LM head computed by ggml at the file's own types,
+ADR-0051, whatever the CPU's compute dtype), the default heartbeat and expiry, the default
+swarm key file (which the node finds by itself) and default data folders (under the tests'
+private HOME). Its greedy continuations follow llama.cpp's on the same file (recorded by
+`benchmarks/llamacpp_reference.py` in `tests/data/llamacpp-default.json`) until a near tie."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from meshnet.models.quantize import default_quant, local_layer_bytes, preferred_compute
+from meshnet.models.quantize import preferred_compute
+from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
-from tests.e2e.procs import ask_france, free_port, get_json, start, stop_together, wait_for
+from tests.e2e.procs import free_port, get_json, start, stop_together, wait_for
 
 pytestmark = pytest.mark.slow
 COMPUTE = preferred_compute()  # what this machine (or $MESHNET_COMPUTE_DTYPE) picks
+RECORDED = Path(__file__).parents[1] / "data" / "llamacpp-default.json"
 
 
 @pytest.mark.parametrize("compute", [COMPUTE], ids=[f"compute={COMPUTE}"])
-def test_a_mesh_on_the_defaults_answers(compute: str, tmp_path: Path) -> None:
-    quant = default_quant()
-    per_layer = local_layer_bytes(resolve("default").spec, quant)
-    budget = math.ceil(15.5 * per_layer / 0.9)  # layers 15:30 and the 10% KV reserve
+def test_a_mesh_on_the_defaults_answers_as_llama_cpp(
+    compute: str, tmp_path: Path, smollm_tokenizer: Any
+) -> None:
+    per_layer = file_layer_bytes(resolve("default").path)
+    budget = math.ceil(10.5 * per_layer / 0.9)  # ten layers and the 10% KV reserve
     env = {k: v for k, v in os.environ.items() if k != "MESHNET_SWARM_KEY"}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    tracker = start(["tracker", "--port", str(port), "--layers", "0:15"], tmp_path / "t.log", env)
-    node = None
+    tracker = start(["tracker", "--port", str(port), "--layers", "0:10"], tmp_path / "t.log", env)
+    nodes = []
     try:
         wait_for(lambda: "join this mesh" in (tmp_path / "t.log").read_text(), 60, "the tracker")
-        node_args = ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
-        node = start(node_args, tmp_path / "n.log", env)
+        for i in range(2):
+            args = ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
+            nodes.append(start(args, tmp_path / f"n{i}.log", env))
         routable = lambda: get_json(f"{url}/v1/coverage")["models"][0]["routable"]  # noqa: E731
-        wait_for(routable, 180, "layers 15:30 on the node")
-        nodes = get_json(f"{url}/v1/coverage")["nodes"]
-        assert sorted(n["quant"] for n in nodes) == [quant, quant]
+        wait_for(routable, 180, "layers 10:30 on the nodes")
+        members = get_json(f"{url}/v1/coverage")["nodes"]
+        assert [n["quant"] for n in members] == ["gguf"] * 3
         assert (Path(os.environ["HOME"]) / ".meshnet" / "swarm.key").exists()
-        content = ask_france(url)
-        assert content.startswith("The capital of France is Paris."), content
+        # the France question (the recorded set's first prompt, as its chat template's text)
+        # is a near tie on its first token: "The" 0.15 above "L" in float32, and each bf16
+        # boundary moves that by up to 0.2, so a 3-hop mesh may start "L'Étoile" instead
+        agree = agreement(url, smollm_tokenizer)
+        # measured [7 (all), 8, 9, 16, 8, 9, 10, 16]; llama.cpp against itself with flash
+        # attention off: [8, 16, 9, 16, 8, 10, 11, 16]: these prompts have near ties that
+        # bf16 boundaries (or another kernel) tip after 8 tokens or so
+        assert min(agree) >= 5 and sum(agree) >= 70, agree
     finally:
-        stop_together([node, tracker])
+        stop_together([*nodes, tracker])
+
+
+def agreement(url: str, tokenizer: Any) -> list[int]:
+    """Per recorded prompt: how many of llama.cpp's greedy tokens the mesh's completion
+    begins with (all of them when it is llama.cpp's)."""
+    recorded = json.loads(RECORDED.read_text())
+    same = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for item in recorded["prompts"]:
+            assert tokenizer.encode(item["text"], add_special_tokens=False) == item["ids"]
+            body = {"model": "default", "prompt": item["text"], "temperature": 0}
+            body["max_tokens"] = recorded["tokens"]
+            answer = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            expected = [t for t in item["continuation"] if t not in tokenizer.all_special_ids]
+            ours = tokenizer.encode(answer, add_special_tokens=False)
+            same.append(common_prefix(ours, expected))
+    return same
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )

@@ -11,7 +11,7 @@ import torch
 from meshnet.models.loader import load_head, load_shard, load_tokenizer, open_checkpoint
 from meshnet.models.quantize import local_layer_bytes
 from meshnet.models.source import ModelSource
-from meshnet.types import QUANTS, LayerSpan, Quant
+from meshnet.types import CONVERSIONS, LayerSpan, Quant
 from tests.models.chain import Chain, reference_logits
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_chained_spans_equal_the_whole_model_past_the_window(
     assert agree > 0.95, f"next-token agreement {agree:.3f}"
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", CONVERSIONS)
 def test_layer_bytes_match_bytes_loaded(quant: Quant, gemma3_source: ModelSource) -> None:
     shard = load_shard(gemma3_source, LayerSpan(5, 7), quant)  # a global and a sliding layer
     predicted = 2 * local_layer_bytes(gemma3_source.spec, quant)

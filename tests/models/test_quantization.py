@@ -12,7 +12,7 @@ import torch
 from meshnet.models.loader import load_head, load_shard
 from meshnet.models.quantize import head_dtype, local_layer_bytes
 from meshnet.models.source import ModelSource, resolve
-from meshnet.types import QUANTS, LayerSpan, Quant
+from meshnet.types import CONVERSIONS, LayerSpan, Quant
 from tests.models.chain import (
     Chain,
     france_prompt,
@@ -83,7 +83,7 @@ def test_quantized_smollm2_is_close_and_answers(
     assert "Paris" in answer and taken <= 1
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", CONVERSIONS)
 def test_layer_bytes_from_config_match_bytes_loaded(
     quant: Quant, compute: str, default_source: ModelSource
 ) -> None:
@@ -98,7 +98,7 @@ def test_layer_bytes_from_config_match_bytes_loaded(
     assert abs(predicted - shard.weight_bytes()) / shard.weight_bytes() < 0.02
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", CONVERSIONS)
 def test_qwen3_layer_bytes_count_wide_heads_and_head_norms(
     quant: Quant, tiny_folder: Callable[[str], Path]
 ) -> None:

@@ -37,7 +37,8 @@ PROMPTS = {"quote": QUOTE, "code edit": CODE, "free text": "Write a short poem a
 
 
 def generators(drafts: list[EntryConfig]) -> list[object]:
-    config = NodeConfig(quant=None, compile=False, port=0)
+    # torch: the references here are transformers' own fp32 model on the same dequantized weights
+    config = NodeConfig(quant=None, compile=False, port=0, backend="torch")
     model = load_entry_model(config, "default", "default", LayerSpan(0, 30))
     service = node_service(config, "entry", AccessConfig())
     service.shards.add(model.runner)

@@ -12,9 +12,12 @@ from meshnet.cli.access import access_config, add_access_flags, api_limits
 from meshnet.cli.flags import parse_bytes, parse_device_flag, parse_draft_tokens, parse_fraction
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
-from meshnet.types import QUANTS
+from meshnet.types import BACKENDS, QUANTS
 
-QUANT_HELP = "weight format (default: bf16 where fast or $MESHNET_COMPUTE_DTYPE=bf16, else fp32)"
+QUANT_HELP = (
+    "weight format: gguf keeps a GGUF file's own (ggml computes); default: gguf for a GGUF "
+    "file on the CPU, else bf16 where fast or $MESHNET_COMPUTE_DTYPE=bf16, else fp32"
+)
 
 
 def add_serve_commands(sub: Any) -> None:
@@ -122,6 +125,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=default.device,
         help="where weights, KV caches and compute live: auto (CUDA when PyTorch sees a "
         "device, else the CPU), cpu, cuda or cuda:N (default: auto)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=default.backend,
+        help="what computes the layers: ggml over a GGUF file's own weights (CPU), torch, or "
+        "auto: ggml for a GGUF file on the CPU unless --quant asks for a conversion",
     )
     group = parser.add_argument_group("node limits")
     group.add_argument("--max-sessions", type=int, default=default.max_sessions)
@@ -279,6 +289,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
     """The flags nodes and the tracker's own span share, as `NodeConfig` fields."""
     return {
         "device": args.device,
+        "backend": args.backend,
         "max_sessions": args.max_sessions,
         "max_cache_bytes": args.max_kv_cache,
         "session_ttl_s": args.session_ttl,

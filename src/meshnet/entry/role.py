@@ -13,6 +13,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,15 +26,17 @@ from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import ConfigError, ModelError
 from meshnet.models import sizing
-from meshnet.models.device import resolve_device
+from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.products import int8_kernel_runs
-from meshnet.models.quantize import default_quant, head_dtype, local_layer_bytes
+from meshnet.models.quantize import default_quant, head_dtype
 from meshnet.models.shard import Shard
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
+from meshnet.node.compute import compute_threads
+from meshnet.node.ggml_runner import GgmlHeadModule
 from meshnet.node.runner import ShardRunner
-from meshnet.node.startup import load_runner
+from meshnet.node.startup import load_runner, node_layer_bytes, node_quant
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.text.codec import HfCodec
 from meshnet.types import LayerSpan
@@ -63,11 +66,10 @@ def entry_span(config: NodeConfig) -> LayerSpan:
         return span
     if config.budget_bytes is None:
         return LayerSpan(0, spec.num_layers)
-    device = resolve_device(config.device)
-    quant = config.quant or default_quant(device)
+    quant = node_quant(config)
     usable = int(config.budget_bytes * (1 - config.kv_reserve_fraction))
     usable -= sizing.entry_head_bytes(spec, quant)
-    count = sizing.layers_that_fit(spec, local_layer_bytes(spec, quant, device), usable)
+    count = sizing.layers_that_fit(spec, node_layer_bytes(config), usable)
     if count < 1:
         raise ModelError(f"a budget of {config.budget_bytes} bytes holds no layer besides the head")
     return LayerSpan(0, count)
@@ -77,9 +79,8 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     """The budget an entry with a span given by hand registers: `--budget`, which must hold
     the head and the span, or just that (so the tracker plans nothing more on it)."""
     spec = resolve(config.model).spec
-    device = resolve_device(config.device)
-    quant = config.quant or default_quant(device)
-    span_bytes = len(span) * local_layer_bytes(spec, quant, device)
+    quant = node_quant(config)
+    span_bytes = len(span) * node_layer_bytes(config)
     head = sizing.entry_head_bytes(spec, quant)
     needed = math.ceil((span_bytes + head) / (1 - config.kv_reserve_fraction)) + 1
     if config.budget_bytes is None:
@@ -102,7 +103,10 @@ def load_entry_model(config: NodeConfig, model_id: str, source: str, span: Layer
     """Layers `span` (from 0) of `source`, its head and its tokenizer."""
     runner = load_runner(config, model_id, source, span)
     resolved = resolve(source)
-    head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
+    if runner.shard.quant == "gguf":  # the file's own table and LM head, computed by ggml
+        head: Any = GgmlHeadModule(GgmlHead(resolved.path, compute_threads()))
+    else:
+        head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
     if int8_head(runner.shard):
         head.quantize_lm_head(runner.shard.compute_dtype)
     codec = HfCodec(load_tokenizer(resolved))
@@ -219,7 +223,9 @@ def make_drafter(entry: EntryConfig, model: EntryModel) -> Drafter:
     source = resolve(entry.draft_model)
     device = model.runner.shard.device  # the draft runs beside the served model's entry span
     whole = LayerSpan(0, source.spec.num_layers)
-    shard = load_shard(source, whole, model.runner.shard.quant, device=device)
+    quant = model.runner.shard.quant
+    quant = default_quant(device) if quant == "gguf" else quant  # drafts run on torch
+    shard = load_shard(source, whole, quant, device=device)
     vocab = model.head.embed.num_embeddings  # type: ignore[attr-defined]
     if source.spec.vocab_size != vocab:
         raise ConfigError(

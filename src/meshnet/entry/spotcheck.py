@@ -49,7 +49,9 @@ Result = tuple[tuple[Hop, ...], torch.Tensor, Quant | None]  # (chain, its outpu
 TOLERANCE = 0.15
 NF4_TOLERANCE = 0.5  # also q4's: 4-bit weights, re-quantized where the file's were not Q4
 MAX_HOST_TRIES = 3  # routes asked for a copy on another host before taking one on the same
-_FOUR_BIT: set[Quant | None] = {"nf4", "q4"}
+# 4-bit weights, or the file's own types under ggml's kernels (8-bit activations in products)
+# against another kind: the loose tolerance
+_FOUR_BIT: set[Quant | None] = {"nf4", "q4", "gguf"}
 
 
 def tolerance(a: Quant | None, b: Quant | None) -> float:

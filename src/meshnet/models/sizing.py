@@ -5,6 +5,8 @@ The tracker's planner uses these figures; a test checks them against bytes reall
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshnet.models import registry
 from meshnet.models.spec import ModelSpec
 from meshnet.types import ComputeDtype, Quant
@@ -36,7 +38,7 @@ def layer_bytes(
     The tracker calls this with the defaults; a node sizes its own span exactly.
     """
     if quant not in _LINEAR_BYTES:
-        raise ValueError(f"unknown quantization {quant!r}")
+        raise ValueError(f"unknown quantization {quant!r} (gguf: `file_layer_bytes`)")
     linear, out_rows, other = registry.get(spec.model_type).layer_params(spec)
     other_bytes = 4 if quant == "fp32" or (quant != "bf16" and compute == "fp32") else 2
     total = linear * _LINEAR_BYTES[quant] + other * other_bytes
@@ -47,6 +49,20 @@ def layer_bytes(
     elif quant == "q4":
         total += linear * Q4_GROUP_BYTES
     return int(total)
+
+
+def file_layer_bytes(path: Path) -> int:
+    """Bytes of the largest layer of a GGUF file as it stores them: what a ggml span holds
+    per layer ("gguf"; its pages are the file's, ADR-0051). Files mix types across layers
+    (Q4_K_M keeps some in Q6_K), so the largest bounds every span."""
+    from meshnet.models.gguf_file import read_gguf
+
+    per_layer: dict[str, int] = {}
+    for tensor in read_gguf(path).tensors:
+        if tensor.name.startswith("blk."):
+            index = tensor.name.split(".")[1]
+            per_layer[index] = per_layer.get(index, 0) + tensor.data.nbytes
+    return max(per_layer.values(), default=0)
 
 
 def head_bytes(spec: ModelSpec, dtype_bytes: int, int8_lm_head: bool = False) -> int:

@@ -8,25 +8,74 @@ from pathlib import Path
 import httpx
 
 from meshnet.config import AccessConfig, NodeConfig
+from meshnet.models import ggml_graphs
+from meshnet.models.backend import Chosen, choose_backend
 from meshnet.models.device import budget_bytes, measure_throughput, resolve_device
+from meshnet.models.gguf_file import gguf_fields
 from meshnet.models.loader import load_shard
-from meshnet.models.quantize import default_quant
+from meshnet.models.quantize import default_quant, local_layer_bytes
+from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
 from meshnet.node.agent import node_id
+from meshnet.node.compute import compute_threads
 from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
 from meshnet.security.tls import client_context
 from meshnet.tracker import messages as msg
-from meshnet.types import LayerSpan, ModelId
+from meshnet.types import LayerSpan, ModelId, Quant
 
 log = logging.getLogger(__name__)
+
+
+def node_backend(config: NodeConfig, source: str) -> Chosen:
+    """What computes `source`'s layers on this node (`models.backend.choose_backend`)."""
+    resolved = resolve(source)
+    gguf = resolved.kind == "gguf"
+    arch = str(gguf_fields(resolved.path).get("general.architecture")) if gguf else ""
+    return choose_backend(
+        config.backend,
+        gguf=gguf,
+        device=resolve_device(config.device),
+        quant=config.quant,
+        has_graph=gguf and ggml_graphs.has(arch),
+    )
+
+
+def node_quant(config: NodeConfig) -> Quant:
+    """The weight format this node registers: gguf where ggml computes."""
+    if node_backend(config, config.model) == "ggml":
+        return "gguf"
+    return config.quant or default_quant(resolve_device(config.device))
+
+
+def node_layer_bytes(config: NodeConfig) -> int:
+    """Bytes one layer of `config.model` holds on this node: the file's own where ggml
+    computes, else at its quantization on its device."""
+    source = resolve(config.model)
+    if node_backend(config, config.model) == "ggml":
+        return file_layer_bytes(source.path)
+    device = resolve_device(config.device)
+    return local_layer_bytes(source.spec, config.quant or default_quant(device), device)
 
 
 def load_runner(
     config: NodeConfig, model_id: str, source: str, span: LayerSpan
 ) -> TorchShardRunner:
     """Layers `span` of `source` on `config.device` (resolved), behind the runner seam."""
+    if node_backend(config, source) == "ggml":
+        from meshnet.node.ggml_runner import ggml_runner
+
+        log.info("layers %s of %s run on ggml at the file's own types", span, model_id)
+        return ggml_runner(
+            ModelId(model_id),
+            resolve(source).path,
+            span,
+            threads=compute_threads(),
+            ttl_s=config.session_ttl_s,
+            max_cache_bytes=config.max_cache_bytes,
+            evict_idle_s=config.evict_idle_s,
+        )
     shard = load_shard(
         resolve(source),
         span,
@@ -60,7 +109,7 @@ def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterReques
         address=config.public_address or f"{scheme}://{config.host}:{config.port}",
         budget_bytes=budget,
         kv_reserve_bytes=int(budget * config.kv_reserve_fraction),
-        quant=config.quant or default_quant(device),
+        quant=node_quant(config),
         throughput=measure_throughput(device),
         entry=config.entry,
         keeps_entry=config.entry and pinned is not None and pinned.start == 0,

@@ -1,8 +1,15 @@
-"""`TorchShardRunner`: a loaded `Shard` plus its sessions, behind the `ShardRunner` seam."""
+"""`TorchShardRunner`: a loaded span plus its sessions, behind the `ShardRunner` seam.
+
+The span is a torch `Shard`, or anything with its surface (`node.ggml_runner.GgmlShard`)
+whose caches come with their own `CacheOps`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +24,21 @@ from meshnet.wire import ChunkState, FrameMeta
 from meshnet.wire import headers as h
 
 Ready = tuple[int, FrameMeta, Session, ChunkState]  # a checked-out frame of a batch
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    """How a span's per-session caches are made, measured, cut and copied (`SessionStore`)."""
+
+    new: Callable[[], Any]
+    measure: Callable[[Any], int]
+    truncate: Callable[[Any, int], None]
+    copy: Callable[[Any, int], Any]
+    bytes_per_token: int
+
+
+def torch_cache_ops(shard: Shard) -> CacheOps:
+    return CacheOps(new_cache, cache_bytes, truncate, copy, expected_cache_bytes(shard))
 
 
 def expected_cache_bytes(shard: Shard) -> int:
@@ -38,19 +60,21 @@ class TorchShardRunner:
         ttl_s: float = 600.0,
         max_cache_bytes: int = 1 << 30,
         evict_idle_s: float = 10.0,
+        cache_ops: CacheOps | None = None,
     ) -> None:
         self.model = model
         self.span: LayerSpan = shard.span
         self.shard = shard
+        ops = self.cache_ops = cache_ops or torch_cache_ops(shard)
         self.sessions = SessionStore(
-            new_cache,
-            cache_bytes,
+            ops.new,
+            ops.measure,
             ttl_s=ttl_s,
             max_bytes=max_cache_bytes,
             evict_idle_s=evict_idle_s,
-            bytes_per_token=expected_cache_bytes(shard),
-            truncate=truncate,
-            copy=copy,
+            bytes_per_token=ops.bytes_per_token,
+            truncate=ops.truncate,
+            copy=ops.copy,
         )
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
@@ -59,7 +83,7 @@ class TorchShardRunner:
             out = self.shard.forward(hidden, session.cache, meta.position)
             _require_finite_output(meta, out)
         except BaseException:
-            truncate(session.cache, session.length)
+            self.cache_ops.truncate(session.cache, session.length)
             raise
         self.sessions.commit(meta.session, session, hidden.shape[1], chunks)
         return out
@@ -118,7 +142,7 @@ class TorchShardRunner:
             outs = self.shard.forward_many(hiddens, caches, [m.position for _, m, _, _ in ready])
         except Exception:  # the pass as a whole: undo it, then each frame alone
             for _, _, session, _ in ready:
-                truncate(session.cache, session.length)
+                self.cache_ops.truncate(session.cache, session.length)
             for index, *_ in ready:
                 results[index] = one_by_one(self.forward, [frames[index]])[0]
             return
@@ -126,7 +150,7 @@ class TorchShardRunner:
             try:
                 _require_finite_output(meta, out)
             except ComputeError as exc:
-                truncate(session.cache, session.length)
+                self.cache_ops.truncate(session.cache, session.length)
                 results[index] = Failed(exc)
                 continue
             self.sessions.commit(meta.session, session, out.shape[1], chunks)

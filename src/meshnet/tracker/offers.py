@@ -6,11 +6,11 @@ import logging
 import time
 
 from meshnet.config import TrackerConfig
-from meshnet.models.sizing import entry_head_bytes, layer_bytes
+from meshnet.models.sizing import entry_head_bytes, file_layer_bytes, layer_bytes
 from meshnet.models.source import resolve, source_kind
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import Registry
-from meshnet.types import QUANTS, ModelId, is_valid_id
+from meshnet.types import CONVERSIONS, ModelId, is_valid_id
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +20,14 @@ def offer(name: str) -> ModelOffer:
     source = resolve(name)
     spec = source.spec
     model_id = name if is_valid_id(name) else source.model_id.replace("/", "--")
-    return ModelOffer(
-        ModelId(model_id),
-        spec.num_layers,
-        {q: layer_bytes(spec, q) for q in QUANTS},
-        {q: entry_head_bytes(spec, q) for q in QUANTS},
-    )
+    layers: dict[str, int] = {q: layer_bytes(spec, q) for q in CONVERSIONS}
+    heads: dict[str, int] = {q: entry_head_bytes(spec, q) for q in CONVERSIONS}
+    if source.kind == "gguf":  # ggml nodes hold its layers as the file stores them
+        layers["gguf"], heads["gguf"] = (
+            file_layer_bytes(source.path),
+            entry_head_bytes(spec, "gguf"),
+        )
+    return ModelOffer(ModelId(model_id), spec.num_layers, layers, heads)
 
 
 def build_registry(config: TrackerConfig) -> Registry:

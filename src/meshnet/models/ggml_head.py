@@ -1,0 +1,56 @@
+"""An entry's head from a GGUF file, computed by ggml at the file's types (ADR-0051).
+
+Token embeddings are rows gathered from the file's own (often quantized) table; the final
+norm and LM head (the embedding table again when tied) multiply as ggml does. Nothing is
+widened or copied: a Q8_0 table of 49,152 x 576 stays 30 MB where bf16 took 57. No torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from meshnet.models import ggml_graphs
+from meshnet.models.ggml_graphs import rms_norm
+from meshnet.models.ggml_lib import I32, Graph, gg
+from meshnet.models.ggml_span import MappedWeights
+from meshnet.models.gguf_file import read_gguf
+
+EMBED, NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
+
+
+class GgmlHead:
+    def __init__(self, path: Path, threads: int = 1) -> None:
+        file = read_gguf(path)
+        arch = str(file.fields.get("general.architecture"))
+        self.family = ggml_graphs.get(arch)
+        self.params = self.family.params(file.fields, arch)
+        self.weights = MappedWeights(file, [EMBED, NORM, OUTPUT], path)
+        self.graph = Graph(threads)
+        self.vocab = int(self.weights[EMBED].contents.ne[1])
+        self.hidden = self.params.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.bytes
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids [T] -> float32 hidden states [T, H] (scaled as the family's inputs are)."""
+        with self.graph.round(0, 0) as build:
+            rows = build.input(np.asarray(ids), I32)
+            x = gg.ggml_get_rows(build.ctx, self.weights[EMBED], rows)
+            scale = float(self.params.extra.get("embed_scale", 1.0))
+            x = x if scale == 1.0 else gg.ggml_scale(build.ctx, x, scale)
+            return build.run(x)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Hidden states float32 [N, H] -> logits float32 [N, V]."""
+        with self.graph.round(0, 0) as build:
+            x = rms_norm(build, build.input_f32(hidden), self.weights[NORM], self.params.eps)
+            table = self.weights.get(OUTPUT) or self.weights[EMBED]  # tied: the embeddings
+            return build.run(gg.ggml_mul_mat(build.ctx, table, x))
+
+    def close(self) -> None:
+        self.graph.close()
+        self.weights.close()

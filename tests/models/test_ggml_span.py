@@ -1,0 +1,173 @@
+"""The ggml span over the default model's GGUF file: chained spans equal the whole model bit
+for bit, batching, rewinds and forks keep each session's results, the torch runner on the same
+dequantized weights agrees within tolerance, and a bad file is refused naming the tensor."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshnet.errors import ModelError
+from meshnet.models.ggml_span import GgmlSpan, MappedWeights
+from meshnet.models.gguf_file import GgufFile, GgufTensor, read_gguf
+from meshnet.models.source import resolve
+from meshnet.types import LayerSpan
+
+WIDTH = 576  # the default model's hidden size
+
+
+@pytest.fixture(scope="module")
+def path() -> Path:
+    return resolve("default").path
+
+
+@pytest.fixture(scope="module")
+def prompt() -> np.ndarray:
+    """Token embeddings of a real prompt (the file's own table, dequantized): [T, H]."""
+    from meshnet.models.loader import load_head
+
+    head = load_head(resolve("default"))
+    ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
+    return head.embed_tokens(ids, 0)[0].float().numpy()
+
+
+def spans(path: Path, *cuts: int) -> list[GgmlSpan]:
+    edges = [0, *cuts, 30]
+    return [
+        GgmlSpan(path, LayerSpan(a, b), threads=2)
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
+
+
+def run_chain(chain: list[GgmlSpan], hidden: np.ndarray, caches: list, position: int) -> np.ndarray:
+    for span, cache in zip(chain, caches, strict=True):
+        hidden = span.forward(hidden, cache, position)
+    return hidden
+
+
+def test_chained_spans_equal_the_whole_model_bit_for_bit(path: Path, prompt: np.ndarray) -> None:
+    whole, parts = spans(path), spans(path, 7, 19)
+    whole_caches = [s.new_cache() for s in whole]
+    part_caches = [s.new_cache() for s in parts]
+    for position, hidden in ((0, prompt), (5, prompt[:1]), (6, prompt[2:4])):
+        expected = run_chain(whole, hidden, whole_caches, position)
+        got = run_chain(parts, hidden, part_caches, position)
+        assert np.array_equal(got, expected)
+    assert [c.length for c in part_caches] == [8, 8, 8]
+
+
+def test_a_batched_round_equals_each_frame_alone(path: Path, prompt: np.ndarray) -> None:
+    (span,) = spans(path)
+    alone = [span.new_cache() for _ in range(3)]
+    together = [span.new_cache() for _ in range(3)]
+    for caches in (alone, together):  # three sessions at different lengths
+        for i, cache in enumerate(caches):
+            span.forward(prompt[: i + 2], cache, 0)
+    frames = [prompt[4:5], prompt[0:3], prompt[1:2]]  # a decode step, a chunk, a decode step
+    expected = [span.forward(f, c, c.length) for f, c in zip(frames, alone, strict=True)]
+    got = span.forward_many(frames, together, [c.length for c in together])
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * np.abs(b).max())
+    assert [c.length for c in together] == [3, 6, 5]
+
+
+def test_a_rewound_or_forked_cache_continues_as_the_original(
+    path: Path, prompt: np.ndarray
+) -> None:
+    (span,) = spans(path, 10)[:1]
+    cache = span.new_cache()
+    span.forward(prompt[:3], cache, 0)
+    fork = cache.copy(3)
+    first = span.forward(prompt[3:5], cache, 3)
+    cache.truncate(3)  # the two drafted tokens rejected (ADR-0038)
+    again = span.forward(prompt[3:5], cache, 3)
+    forked = span.forward(prompt[3:5], fork, 3)
+    assert np.array_equal(first, again) and np.array_equal(first, forked)
+    assert cache.length == fork.length == 5
+
+
+def test_ggml_agrees_with_the_torch_runner_on_the_same_weights(
+    path: Path, prompt: np.ndarray
+) -> None:
+    """One layer: the file's Q4_1 weights dequantized for torch (fp32) against ggml's own
+    kernels (activations quantized to 8 bits for the products, keys and values in f16)."""
+    from meshnet.models.cache import new_cache
+    from meshnet.models.loader import load_shard
+
+    torch_shard = load_shard(resolve("default"), LayerSpan(3, 4), "fp32", fast=False)
+    (span,) = [GgmlSpan(path, LayerSpan(3, 4), threads=2)]
+    cache, torch_cache = span.new_cache(), new_cache()
+    for position, hidden in ((0, prompt), (5, prompt[1:2])):
+        got = span.forward(hidden, cache, position)
+        want = torch_shard.forward(torch.from_numpy(hidden)[None], torch_cache, position)
+        want_np = want[0].float().numpy()
+        error = np.linalg.norm(got - want_np) / np.linalg.norm(want_np)
+        assert error < 0.02, error
+
+
+def test_the_whole_model_predicts_paris(path: Path, prompt: np.ndarray) -> None:
+    from meshnet.models.loader import load_head
+
+    head = load_head(resolve("default"))
+    (span,) = spans(path)
+    out = span.forward(prompt, span.new_cache(), 0)
+    logits = head.logits(torch.from_numpy(out[-1:])[None])
+    assert int(logits[0, -1].argmax()) == 7042  # " Paris"
+
+
+def test_weights_are_the_files_own_pages(path: Path) -> None:
+    (span,) = spans(path)
+    file = read_gguf(path)
+    layer_bytes = sum(t.data.nbytes for t in file.tensors if t.name.startswith("blk."))
+    assert span.weight_bytes == layer_bytes  # Q4_1 as stored: nothing widened or copied
+
+
+def fake_file(tensor_type: int, shape: tuple[int, ...], nbytes: int) -> GgufFile:
+    from gguf.constants import GGMLQuantizationType
+
+    mapped = mmap.mmap(-1, 4096)
+    data = np.frombuffer(mapped, np.uint8, nbytes)
+    tensor = GgufTensor("blk.0.attn_q.weight", GGMLQuantizationType(tensor_type), shape, data)
+    return GgufFile({}, [tensor], mapped)
+
+
+@pytest.mark.parametrize(
+    ("tensor_type", "shape", "nbytes", "reason"),
+    [
+        (2, (64, 2), 36, "holds 36 bytes"),  # Q4_0: 2 rows of 2 blocks need 72
+        (16, (256, 1), 66, "cannot compute"),  # IQ2_XXS: not a type meshnet's ggml takes
+    ],
+)
+def test_a_tensor_ggml_cannot_take_is_refused_by_name(
+    tensor_type: int, shape: tuple[int, ...], nbytes: int, reason: str
+) -> None:
+    file = fake_file(tensor_type, shape, nbytes)
+    with pytest.raises(ModelError, match=rf"blk\.0\.attn_q\.weight.*{reason}"):
+        MappedWeights(file, ["blk.0.attn_q.weight"], Path("bad.gguf"))
+
+
+def test_layers_past_the_model_are_refused(path: Path) -> None:
+    with pytest.raises(ModelError, match="outside the model's 30 layers"):
+        GgmlSpan(path, LayerSpan(20, 31))
+
+
+def test_the_head_gathers_the_files_rows_and_scores_with_its_table(
+    path: Path, prompt: np.ndarray
+) -> None:
+    """Embeddings are the Q8_0 table's rows as torch dequantizes them; logits agree with a
+    float32 head on the same table within ggml's 8-bit activations."""
+    from meshnet.models.ggml_head import GgmlHead
+    from meshnet.models.loader import load_head
+
+    head, reference = GgmlHead(path), load_head(resolve("default"))
+    ids = np.array([504, 3575, 282, 4649, 314])
+    np.testing.assert_allclose(head.embed(ids), prompt, rtol=1e-6)
+    assert head.vocab == 49152 and head.weight_bytes < 49152 * 576 * 2  # Q8_0, not widened
+    got = head.logits(prompt)
+    want = reference.logits(torch.from_numpy(prompt)[None])[0].numpy()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+    assert (got.argmax(-1) == want.argmax(-1)).all()
