@@ -171,3 +171,24 @@ def test_the_head_gathers_the_files_rows_and_scores_with_its_table(
     want = reference.logits(torch.from_numpy(prompt)[None])[0].numpy()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_decode_steps_reuse_one_graph_and_answer_as_fresh_ones(
+    path: Path, prompt: np.ndarray
+) -> None:
+    """A decode step's graph is kept for the next PAD - 1 steps (same shapes: the keys a step
+    attends over are padded and masked); rows past a cache's length never leak in, even
+    when a failed round left NaN there."""
+    kept, fresh = spans(path, 12)[0], spans(path, 12)[0]
+    caches = [kept.new_cache(), fresh.new_cache()]
+    for span, cache in zip((kept, fresh), caches, strict=True):
+        span.forward(prompt, cache, 0)
+    graphs = set()
+    for step in range(4):
+        got = kept.forward(prompt[step : step + 1], caches[0], 5 + step)
+        graphs.add(id(kept.graph.kept_builder()))
+        fresh.graph.drop_kept()
+        caches[1].data[:, :, caches[1].length :] = np.nan  # what a failed round may leave
+        want = fresh.forward(prompt[step : step + 1], caches[1], 5 + step)
+        assert np.array_equal(got, want) and np.isfinite(got).all()
+    assert len(graphs) == 1

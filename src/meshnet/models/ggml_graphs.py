@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from meshnet.errors import ModelError
 from meshnet.models.ggml_lib import F16, Builder, FrameRef, Tensor, gg
 
@@ -145,7 +143,7 @@ def attention(
     v2 = gg.ggml_reshape_2d(ctx, v, width, v.contents.ne[2])
     outs = []
     for frame in frames:
-        total = frame.position + frame.length
+        total = frame.keys  # rows [0, position + length), padded: the mask hides the rest
         keys = _cached(build, frame, (local, 0, hd), _columns(ctx, k2, frame), total)
         values = _cached(build, frame, (local, 1, hd), _columns(ctx, v2, frame), total)
         keys = gg.ggml_permute(ctx, keys, 0, 2, 1, 3)  # [hd, total, kv_heads]
@@ -182,16 +180,6 @@ def _cached(
 
 
 def _mask(build: Builder, frame: FrameRef, window: int | None) -> Tensor:
-    """F16 [total, T]: 0 where query t (at position + t) may see key j, -inf elsewhere
-    (causal; with `window`, only the last `window` positions). One tensor per frame and window,
-    shared by the round's layers."""
-    key = (id(frame), window)
-    if key not in build.masks:
-        total = frame.position + frame.length
-        query = np.arange(frame.position, total)[:, None]
-        keys = np.arange(total)[None, :]
-        seen = keys <= query
-        if window:
-            seen &= keys > query - window
-        build.masks[key] = build.input(np.where(seen, 0.0, -np.inf), F16)
-    return build.masks[key]
+    """Frame's attention mask (`RoundData`): one per frame and window, shared by the round's
+    layers."""
+    return build.input(f"mask:{frame.index}:{window}", F16)

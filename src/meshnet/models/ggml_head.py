@@ -13,7 +13,7 @@ import numpy as np
 
 from meshnet.models import ggml_graphs
 from meshnet.models.ggml_graphs import rms_norm
-from meshnet.models.ggml_lib import I32, Graph, gg
+from meshnet.models.ggml_lib import F32, I32, Graph, gg
 from meshnet.models.ggml_span import MappedWeights
 from meshnet.models.gguf_file import read_gguf
 
@@ -37,19 +37,22 @@ class GgmlHead:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [T] -> float32 hidden states [T, H] (scaled as the family's inputs are)."""
-        with self.graph.round(0, 0) as build:
-            rows = build.input(np.asarray(ids), I32)
+        ids = np.asarray(ids)
+        with self.graph.round() as build:
+            rows = build.input("ids", I32, ids.shape)
             x = gg.ggml_get_rows(build.ctx, self.weights[EMBED], rows)
             scale = float(self.params.extra.get("embed_scale", 1.0))
-            x = x if scale == 1.0 else gg.ggml_scale(build.ctx, x, scale)
-            return build.run(x)
+            build.finish(x if scale == 1.0 else gg.ggml_scale(build.ctx, x, scale))
+            return build.compute(lambda name: ids)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Hidden states float32 [N, H] -> logits float32 [N, V]."""
-        with self.graph.round(0, 0) as build:
-            x = rms_norm(build, build.input_f32(hidden), self.weights[NORM], self.params.eps)
+        with self.graph.round() as build:
+            x = build.input("x", F32, hidden.shape)
+            x = rms_norm(build, x, self.weights[NORM], self.params.eps)
             table = self.weights.get(OUTPUT) or self.weights[EMBED]  # tied: the embeddings
-            return build.run(gg.ggml_mul_mat(build.ctx, table, x))
+            build.finish(gg.ggml_mul_mat(build.ctx, table, x))
+            return build.compute(lambda name: hidden)
 
     def close(self) -> None:
         self.graph.close()

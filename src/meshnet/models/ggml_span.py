@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,16 @@ import numpy as np
 from meshnet.errors import ModelError
 from meshnet.models import ggml_graphs
 from meshnet.models.ggml_cache import GgmlCache
-from meshnet.models.ggml_lib import Graph, Tensor, gg, tensor_bytes
+from meshnet.models.ggml_lib import (
+    F32,
+    Builder,
+    Graph,
+    RoundData,
+    Tensor,
+    gg,
+    padded,
+    tensor_bytes,
+)
 from meshnet.models.gguf_file import GgufFile, read_gguf
 from meshnet.types import LayerSpan
 
@@ -135,19 +144,34 @@ class GgmlSpan:
     def forward_many(
         self, hiddens: Sequence[np.ndarray], caches: Sequence[GgmlCache], positions: Sequence[int]
     ) -> list[np.ndarray]:
-        lengths = [h.shape[0] for h in hiddens]
-        for cache, position, length in zip(caches, positions, lengths, strict=True):
-            cache.reserve(position + length)
-        with self.graph.round(len(self.span), len(hiddens)) as build:
-            x = build.input_f32(np.concatenate(hiddens, axis=0))  # [H, N]
-            frames = build.frames(caches, positions, lengths)
-            for local, index in enumerate(self.span):
-                x = self.family.layer(build, self.weights, self.params, index, local, x, frames)
-            out = build.run(x)  # [N, H]
+        lengths = tuple(h.shape[0] for h in hiddens)
+        keys = tuple(padded(p + n) for p, n in zip(positions, lengths, strict=True))
+        for cache, count in zip(caches, keys, strict=True):
+            cache.reserve(count)
+        data = RoundData(np.concatenate(hiddens, axis=0), tuple(positions), lengths, keys)
+        shape = tuple(
+            (c.data.ctypes.data, c.capacity, n, k)
+            for c, n, k in zip(caches, lengths, keys, strict=True)
+        )  # what the graph's tensors depend on: a decode step keeps it for PAD tokens
+        build = self.graph.kept(shape) or self._build(shape, caches, data)
+        try:
+            out = build.compute(data.array)  # [N, H]
+        except Exception:
+            self.graph.drop_kept()
+            raise
         for cache, position, length in zip(caches, positions, lengths, strict=True):
             cache.length = position + length
         starts = np.cumsum([0, *lengths])
         return [out[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+    def _build(self, shape: Hashable, caches: Sequence[GgmlCache], data: RoundData) -> Builder:
+        build = self.graph.keep(shape, len(self.span), data)
+        x = build.input("x", F32)  # [H, N]
+        frames = build.frames(caches)
+        for local, index in enumerate(self.span):
+            x = self.family.layer(build, self.weights, self.params, index, local, x, frames)
+        build.finish(x)
+        return build
 
     def close(self) -> None:
         self.graph.close()
