@@ -3,6 +3,9 @@ off), the 3-hop mesh, and llama.cpp on the same GGUF file.
 
     python benchmarks/decode.py                                   # fp32, bf16 and int8
     python benchmarks/decode.py --llama-python /tmp/llama/bin/python   # adds llama.cpp
+    python benchmarks/decode.py --quant gguf --llama-bin /path/llama.cpp/build/bin
+        # ggml rows beside llama.cpp built from source: one process (llama-bench) and RPC
+        # (llama-bench --rpc and two ggml-rpc-server processes on this machine), 2 threads
     python benchmarks/decode.py --tiny                            # what the tests run
     python benchmarks/decode.py --device cuda --quant bf16        # the CUDA rows (a GPU)
 
@@ -12,8 +15,9 @@ Prefill: a 501-token prompt, tokens / time to first token. One node: an entry no
 all 30 layers and the head, in this process (what `meshnet node --entry` runs, without its
 HTTP API). 3-hop mesh: a tracker-as-entry-node (0:10) and two nodes, separate processes on
 loopback, asked through the API. llama.cpp: `llama-cpp-python` (not a dependency of ours;
-install it in another venv and pass its python), 2 threads. Medians of `--repeats`; every
-ratio is to llama.cpp when it ran, else to transformers fp32.
+install it in another venv and pass its python), 2 threads; or its binaries (`--llama-bin`:
+llama-bench's own tg/pp figures). Medians of `--repeats`; every ratio is to the first row.
+Resident memory: the peak (VmHWM) of each process of a row that runs in processes of its own.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,7 @@ from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import LayerSpan
 from pipeline import DATA, free_port, median_s, wait_routable  # benchmarks/pipeline.py
 
-Row = dict[str, float]
+Row = dict[str, Any]  # tok/s figures, and `rss_mib`: each process's peak
 LLAMA = """
 import json, sys, time, statistics
 from llama_cpp import Llama
@@ -146,11 +152,15 @@ def mesh_row(quant: str, short: list[int], long: list[int], n: int, r: int, logs
     """Tracker-as-entry-node (0:10) and two nodes; greedy completions through the API."""
     import httpx
 
-    from meshnet.models.sizing import layer_bytes
+    from meshnet.models.sizing import file_layer_bytes, layer_bytes
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    budget = int(10.5 * layer_bytes(resolve("default").spec, quant) / 0.9)
+    source = resolve("default")
+    per_layer = (
+        file_layer_bytes(source.path) if quant == "gguf" else layer_bytes(source.spec, quant)
+    )
+    budget = int(10.5 * per_layer / 0.9)
     commands = [["tracker", "--port", str(port), "--layers", "0:10"]] + [
         ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
         for _ in range(2)
@@ -189,7 +199,8 @@ def mesh_row(quant: str, short: list[int], long: list[int], n: int, r: int, logs
 
         tokenizer = load_tokenizer(resolve("default"))
         ids_text = {tuple(p): tokenizer.decode(p) for p in (short, long)}
-        return timed(run, short, long, n, r)
+        row = timed(run, short, long, n, r)
+        return {**row, "rss_mib": [peak_rss_mib(p.pid) for p in procs]}
     finally:
         for p in procs:
             p.terminate()
@@ -206,28 +217,71 @@ def llama_row(
     return row
 
 
+def peak_rss_mib(pid: int) -> int:
+    """A live process's peak resident memory (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def llama_bench_row(folder: Path, short: int, long: int, n: int, r: int, rpc: bool) -> Row:
+    """llama.cpp's own figures (`llama-bench -t 2`): tg of `n` after nothing, pp of `long`;
+    with `rpc`, every layer on two `ggml-rpc-server` processes of this machine (2 threads
+    each). Peak memory of each process: the bench, then the servers."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(folder)}
+    servers, ports = [], [free_port(), free_port()]
+    if rpc:
+        for port in ports:
+            args = [str(folder / "ggml-rpc-server"), "-p", str(port), "-t", "2"]
+            servers.append(subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)
+    args = [str(folder / "llama-bench"), "-m", str(default_gguf()), "-t", "2", "-o", "json"]
+    args += ["-p", str(long), "-n", str(n), "-r", str(r)]
+    args += ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports)] if rpc else []
+    try:
+        bench = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        out = bench.stdout.read() if bench.stdout else b""
+        _, _, usage = os.wait4(bench.pid, 0)
+        results = json.loads(out)
+        rss = [usage.ru_maxrss // 1024] + [peak_rss_mib(s.pid) for s in servers]
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=30)
+    speed = {(x["n_prompt"], x["n_gen"]): x["avg_ts"] for x in results}
+    return {"decode_tok_s": speed[(0, n)], "prefill_tok_s": speed[(long, 0)], "rss_mib": rss}
+
+
 def table(rows: dict[str, Row], base: str) -> str:
     ref = rows[base]
     lines = [
-        f"| setup | decode tok/s | x {base} | prefill tok/s | x {base} |",
-        "|---|---|---|---|---|",
+        f"| setup | decode tok/s | x {base} | prefill tok/s | x {base} | peak RSS MiB |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
+        rss = " + ".join(str(m) for m in row.get("rss_mib", [])) or "(in this process)"
         lines.append(
             f"| {name} | {row['decode_tok_s']:.1f} "
             f"| {row['decode_tok_s'] / ref['decode_tok_s']:.2f} "
-            f"| {row['prefill_tok_s']:.0f} | {row['prefill_tok_s'] / ref['prefill_tok_s']:.2f} |"
+            f"| {row['prefill_tok_s']:.0f} | {row['prefill_tok_s'] / ref['prefill_tok_s']:.2f} "
+            f"| {rss} |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="fp32, 4 tokens, in-process rows only")
+    parser.add_argument(
+        "--tiny", action="store_true", help="fp32 and gguf, 4 tokens, in-process rows only"
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", help="a python with llama-cpp-python installed")
-    parser.add_argument("--quant", action="append", choices=["fp32", "bf16", "int8", "nf4", "q4"])
+    parser.add_argument(
+        "--quant", action="append", choices=["fp32", "bf16", "int8", "nf4", "q4", "gguf"]
+    )
+    parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (llama-bench)")
     parser.add_argument(
         "--device", default="cpu", help="cpu, cuda or cuda:N: where the 1-node rows run"
     )
@@ -242,17 +296,24 @@ def main() -> None:
     if args.tiny:
         short, long = short[:16], long[:32]
     rows: dict[str, Row] = {}
+    if args.llama_bin and not args.tiny:
+        for rpc in (False, True):
+            name = "llama.cpp RPC, host + 2 rpc servers" if rpc else "llama.cpp, 1 process"
+            rows[name] = llama_bench_row(args.llama_bin, len(short), len(long), n, r, rpc)
     if args.llama_python and not args.tiny:
         rows["llama.cpp Q4_1, 2 threads"] = llama_row(
             args.llama_python, tokenizer, short, long, n, r
         )
-    for quant in args.quant or (["fp32"] if args.tiny else ["fp32", "bf16", "int8"]):
+    for quant in args.quant or (
+        ["fp32", "gguf"] if args.tiny else ["fp32", "bf16", "int8", "gguf"]
+    ):
         if quant in ("fp32", "bf16"):  # transformers has no int8/nf4 of its own to compare with
             rows[f"transformers generate, {quant}{on}"] = on_compute(
                 transformers_row, quant, short, long, n, r, device
             )
-        for fast in (True, False):
+        for fast in (True,) if quant == "gguf" else (True, False):  # ggml has no slow path
             name = f"meshnet 1 node, {quant}{on}, fast path {'on' if fast else 'off'}"
+            name = f"meshnet 1 node, gguf on ggml{on}" if quant == "gguf" else name
             rows[name] = node_row(quant, fast, short, long, n, r, device)
         if not args.tiny and device == "cpu":
             with tempfile.TemporaryDirectory(prefix="meshnet-decode-") as logs:

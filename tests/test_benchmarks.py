@@ -116,7 +116,7 @@ def test_pipeline_benchmark_prints_ratios() -> None:
 def test_decode_benchmark_prints_both_paths() -> None:
     out = run_tiny("decode.py", 400)
     rows = [line for line in out.splitlines() if line.startswith("| meshnet 1 node")]
-    assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows)
+    assert len(rows) == 3 and all(float(row.split("|")[2]) > 0 for row in rows)  # fp32 x2, gguf
 
 
 @pytest.mark.mesh

@@ -27,7 +27,8 @@ class GgmlHead:
         self.family = ggml_graphs.get(arch)
         self.params = self.family.params(file.fields, arch)
         self.weights = MappedWeights(file, [EMBED, NORM, OUTPUT], path)
-        self.graph = Graph(threads)
+        self.graph = Graph(threads)  # logits
+        self.embeds = Graph(threads)  # each keeps its last graph
         self.vocab = int(self.weights[EMBED].contents.ne[1])
         self.hidden = self.params.hidden
 
@@ -38,22 +39,27 @@ class GgmlHead:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [T] -> float32 hidden states [T, H] (scaled as the family's inputs are)."""
         ids = np.asarray(ids)
-        with self.graph.round() as build:
+        build = self.embeds.kept(ids.shape)
+        if build is None:
+            build = self.embeds.keep(ids.shape, 0)
             rows = build.input("ids", I32, ids.shape)
             x = gg.ggml_get_rows(build.ctx, self.weights[EMBED], rows)
             scale = float(self.params.extra.get("embed_scale", 1.0))
             build.finish(x if scale == 1.0 else gg.ggml_scale(build.ctx, x, scale))
-            return build.compute(lambda name: ids)
+        return build.compute(lambda name: ids)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Hidden states float32 [N, H] -> logits float32 [N, V]."""
-        with self.graph.round() as build:
+        build = self.graph.kept(hidden.shape)
+        if build is None:  # a decode step's graph is kept for the next one
+            build = self.graph.keep(hidden.shape, 0)
             x = build.input("x", F32, hidden.shape)
             x = rms_norm(build, x, self.weights[NORM], self.params.eps)
             table = self.weights.get(OUTPUT) or self.weights[EMBED]  # tied: the embeddings
             build.finish(gg.ggml_mul_mat(build.ctx, table, x))
-            return build.compute(lambda name: hidden)
+        return build.compute(lambda name: hidden)
 
     def close(self) -> None:
         self.graph.close()
+        self.embeds.close()
         self.weights.close()

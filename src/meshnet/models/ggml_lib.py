@@ -223,10 +223,10 @@ class Graph:
         """The last round's graph when `key` (its shape) is the same: still allocated."""
         return self._kept[1] if self._kept is not None and self._kept[0] == key else None
 
-    def keep(self, key: Hashable, layers: int, data: RoundData) -> Builder:
+    def keep(self, key: Hashable, layers: int, data: RoundData | None = None) -> Builder:
         """A new graph for rounds of shape `key`, replacing the kept one."""
         self.drop_kept()
-        build = Builder(self, _nodes(layers, len(data.lengths)), data)
+        build = Builder(self, _nodes(layers, len(data.lengths) if data else 0), data)
         self._kept = (key, build)
         return build
 
