@@ -55,7 +55,8 @@ def record(server: str, prompts: list[str]) -> list[dict[str, Any]]:
     out = []
     with httpx.Client(base_url=server, timeout=120) as client:
         for text in prompts:
-            ids = client.post("/tokenize", json={"content": text}).json()["tokens"]
+            ask = {"content": text, "add_special": True}  # BOS where the model wants one
+            ids = client.post("/tokenize", json=ask).json()["tokens"]
             body = {
                 "prompt": ids,
                 "n_predict": TOKENS,

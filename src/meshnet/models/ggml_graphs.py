@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from meshnet.errors import ModelError
 from meshnet.models.ggml_lib import F16, Builder, FrameRef, Tensor, gg
 
-_MODULES = ("meshnet.models.ggml_llama",)
+_MODULES = ("meshnet.models.ggml_llama", "meshnet.models.ggml_gemma3")
 _REGISTRY: dict[str, Family] = {}
 
 
@@ -114,12 +114,20 @@ def rms_norm(build: Builder, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return gg.ggml_mul(build.ctx, gg.ggml_rms_norm(build.ctx, x, eps), weight)
 
 
-def rope(build: Builder, x: Tensor, params: Params, base: float, factors: Tensor | None) -> Tensor:
-    """Rotary positions on `x` [head_dim, heads, N] at the round's token positions."""
+def rope(
+    build: Builder,
+    x: Tensor,
+    params: Params,
+    base: float,
+    factors: Tensor | None,
+    scale: float = 1.0,
+) -> Tensor:
+    """Rotary positions on `x` [head_dim, heads, N] at the round's token positions (`scale`:
+    linear position scaling, 1 / factor)."""
     dims = int(params.extra.get("rope_dims") or params.head_dim)
     return gg.ggml_rope_ext(
         build.ctx, x, build.positions, factors, dims, params.rope_mode, 0, base,
-        1.0, 0.0, 1.0, 0.0, 0.0,
+        scale, 0.0, 1.0, 0.0, 0.0,
     )  # fmt: skip
 
 
