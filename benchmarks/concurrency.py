@@ -3,6 +3,7 @@
     python benchmarks/concurrency.py                      # 3-hop mesh and 1 node; fp32, bf16, int8
     python benchmarks/concurrency.py --tiny               # 3-hop fp32, 1 and 2 at once, 8 tokens
     python benchmarks/concurrency.py --setups 3hop --quants bf16 --extra=--no-host-turns
+    python benchmarks/concurrency.py --setups 1node --quants gguf   # ggml nodes
 
 Setups, each its own processes on loopback: `3hop` is a tracker-as-entry-node (0:10) and two
 nodes (10:20, 20:30); `1node` is a tracker-as-entry-node holding all 30 layers. Each level
@@ -32,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from meshnet.models.quantize import local_layer_bytes
+from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +50,10 @@ def mesh(setup: str, quant: str, extra: list[str], logs: Path) -> Iterator[str]:
     """The processes of `setup` at `quant`; yields the API's URL once the model is routable."""
     spans, port = SPANS[setup], free_port()
     url = f"http://127.0.0.1:{port}"
-    per_layer = local_layer_bytes(resolve("default").spec, quant)  # type: ignore[arg-type]
+    source = resolve("default")
+    per_layer = (  # gguf: ggml at the file's own types (ADR-0051)
+        file_layer_bytes(source.path) if quant == "gguf" else local_layer_bytes(source.spec, quant)  # type: ignore[arg-type]
+    )
     # one benchmark client sends every request: allow it the highest level at once
     commands = [["tracker", "--port", str(port), "--layers", spans[0], "--max-concurrent", "64"]]
     for _ in spans[1:]:  # the tracker's planner gives each node the next ten layers
