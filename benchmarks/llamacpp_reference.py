@@ -2,6 +2,7 @@
 
     python benchmarks/llamacpp_reference.py --llama-bin /path/to/llama.cpp/build/bin
     python benchmarks/llamacpp_reference.py --llama-bin ... --model gemma3   # Gemma 3 270M
+    python benchmarks/llamacpp_reference.py --tiny   # checks the recordings (no llama.cpp)
 
 llama.cpp is not a dependency: build it from source (the `llama-cpp-python` sdist vendors it;
 see the README's benchmarks section) and pass the folder holding `llama-server`. The script
@@ -85,12 +86,37 @@ def start_server(binary: Path, path: Path, port: int) -> subprocess.Popen[bytes]
     raise RuntimeError("llama-server did not start in 120 s")
 
 
+def check_recordings() -> None:
+    """What `--tiny` prints: each recording's file against the one here, and whether our
+    tokenizer gives the prompt ids llama.cpp gave."""
+    from meshnet.models.loader import load_tokenizer
+    from meshnet.models.source import resolve
+
+    print("| recording | file here | prompts | ids as ours | tokens each |")
+    print("|---|---|---|---|---|")
+    for model in ("default", "gemma3"):
+        data = json.loads((DATA / f"llamacpp-{model}.json").read_text())
+        path = model_file(model)
+        same_file = path.name == data["file"] and path.stat().st_size == data["file_bytes"]
+        tokenizer = load_tokenizer(resolve(str(path)))
+        ours = [tokenizer.encode(p["text"], add_special_tokens=True) for p in data["prompts"]]
+        same_ids = sum(o == p["ids"] for o, p in zip(ours, data["prompts"], strict=True))
+        print(
+            f"| {model} | {'same' if same_file else 'DIFFERENT'} | {len(ours)} "
+            f"| {same_ids} | {data['tokens']} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--llama-bin", required=True, help="folder with llama-server")
+    parser.add_argument("--tiny", action="store_true", help="check the recordings only")
+    parser.add_argument("--llama-bin", help="folder with llama-server")
     parser.add_argument("--model", choices=["default", "gemma3"], default="default")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to llama-server")
     args = parser.parse_args()
+    if args.tiny or not args.llama_bin:
+        check_recordings()
+        return
     EXTRA.extend(args.server_arg)
     path, port = model_file(args.model), free_port()
     binary = Path(args.llama_bin) / "llama-server"

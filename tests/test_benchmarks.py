@@ -94,6 +94,14 @@ def test_every_benchmark_has_a_tiny_mode(name: str) -> None:
     assert "--tiny" in (BENCHMARKS / name).read_text()
 
 
+def test_the_llama_cpp_recordings_are_of_the_files_here_and_tokenize_alike() -> None:
+    rows = [r.split("|") for r in run_tiny("llamacpp_reference.py").splitlines()[2:]]
+    assert [(r[1].strip(), r[2].strip(), r[3] == r[4]) for r in rows] == [
+        ("default", "same", True),
+        ("gemma3", "same", True),
+    ]
+
+
 def test_churn_benchmark_prints_both_planners() -> None:
     rows = [
         line.split("|") for line in run_tiny("churn.py").splitlines() if line.startswith("| 60")

@@ -37,10 +37,7 @@ def prompt() -> np.ndarray:
 
 def spans(path: Path, *cuts: int) -> list[GgmlSpan]:
     edges = [0, *cuts, 30]
-    return [
-        GgmlSpan(path, LayerSpan(a, b), threads=2)
-        for a, b in zip(edges[:-1], edges[1:], strict=True)
-    ]
+    return [GgmlSpan(path, LayerSpan(a, b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 def run_chain(chain: list[GgmlSpan], hidden: np.ndarray, caches: list, position: int) -> np.ndarray:
@@ -99,7 +96,7 @@ def test_ggml_agrees_with_the_torch_runner_on_the_same_weights(
     from meshnet.models.loader import load_shard
 
     torch_shard = load_shard(resolve("default"), LayerSpan(3, 4), "fp32", fast=False)
-    (span,) = [GgmlSpan(path, LayerSpan(3, 4), threads=2)]
+    (span,) = [GgmlSpan(path, LayerSpan(3, 4))]
     cache, torch_cache = span.new_cache(), new_cache()
     for position, hidden in ((0, prompt), (5, prompt[1:2])):
         got = span.forward(hidden, cache, position)

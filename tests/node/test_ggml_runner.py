@@ -10,6 +10,7 @@ import torch
 from meshnet.errors import ConfigError, SessionError, WireError
 from meshnet.models.backend import choose_backend
 from meshnet.models.source import resolve
+from meshnet.node.compute import compute_threads
 from meshnet.node.ggml_runner import ggml_runner
 from meshnet.node.scheduler import Failed
 from meshnet.node.torch_runner import TorchShardRunner
@@ -33,7 +34,7 @@ def runner() -> TorchShardRunner:
         ModelId("m"),
         resolve("default").path,
         SPAN,
-        threads=2,
+        threads=compute_threads(),
         ttl_s=600.0,
         max_cache_bytes=1 << 28,
         evict_idle_s=10.0,

@@ -21,7 +21,7 @@ EMBED, NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
 
 
 class GgmlHead:
-    def __init__(self, path: Path, threads: int = 1) -> None:
+    def __init__(self, path: Path, threads: int | None = None) -> None:
         file = read_gguf(path)
         arch = str(file.fields.get("general.architecture"))
         self.family = ggml_graphs.get(arch)

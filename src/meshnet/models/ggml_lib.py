@@ -9,6 +9,7 @@ and copies the output out. Imports no torch.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,12 +192,14 @@ class Builder:
 class Graph:
     """The CPU backend and the graph allocator a span's rounds share."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        """`threads`: None for the cores this process may use (its affinity): more threads
+        than cores spin at ggml's barriers for a descheduled one (100x slower rounds)."""
         self.backend = gg.ggml_backend_cpu_init()
         self.allocator = gg.ggml_gallocr_new(gg.ggml_backend_cpu_buffer_type())
         self.pool = None
         self._kept: tuple[Hashable, Builder] | None = None
-        self.set_threads(threads)
+        self.set_threads(threads or len(os.sched_getaffinity(0)))
 
     def set_threads(self, threads: int) -> None:
         """Compute with `threads` threads, kept in a pool between rounds (a pool made for

@@ -115,7 +115,7 @@ class GgmlSpan:
 
     batches = True
 
-    def __init__(self, path: Path, span: LayerSpan, threads: int = 1) -> None:
+    def __init__(self, path: Path, span: LayerSpan, threads: int | None = None) -> None:
         file = read_gguf(path)
         self.arch = str(file.fields.get("general.architecture"))
         self.family = ggml_graphs.get(self.arch)
