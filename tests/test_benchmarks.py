@@ -96,9 +96,9 @@ def test_every_benchmark_has_a_tiny_mode(name: str) -> None:
 
 def test_the_llama_cpp_recordings_are_of_the_files_here_and_tokenize_alike() -> None:
     rows = [r.split("|") for r in run_tiny("llamacpp_reference.py").splitlines()[2:]]
-    assert [(r[1].strip(), r[2].strip(), r[3] == r[4]) for r in rows] == [
-        ("default", "same", True),
-        ("gemma3", "same", True),
+    assert [(r[1].strip(), r[2].strip(), r[4].strip()) for r in rows] == [
+        ("default", "same", "8"),  # all eight prompts tokenize as llama.cpp's
+        ("gemma3", "same", "-"),
     ]
 
 
