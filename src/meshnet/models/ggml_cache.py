@@ -1,77 +1,99 @@
-"""`GgmlCache`: one session's keys and values for a ggml span, F16, in one numpy block.
+"""The keys and values of a ggml span's sessions: one F16 pool of cells, shared.
 
-Layout [layers, 2 (keys, values), capacity, kv_heads * head_dim]; a graph sees each layer's
-keys (or values) as a ggml tensor [width, capacity] over this memory (a CPU backend buffer
-made from its pointer), writes a round's new rows with `set_rows` and reads rows
-[0, position + tokens). Capacity grows by doubling; `length` counts the tokens kept.
+Layout [layers, 2 (keys, values), capacity, kv_heads * head_dim]; a cell holds one token of
+one session. A round writes its tokens' cells with `set_rows` and attends over the pool's
+first cells (up to the highest one taken, padded) with one mask: a query sees the cells of
+its own session at positions up to its own (and within its window). So a round of many
+sessions is one attention per layer, and its graph depends only on the round's token count
+and the pool's size: decode steps reuse it (ADR-0051). `PoolCache` is a session's view: its
+cells in position order; cutting it (rewinds) frees cells, copying it (forks) takes new ones.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import count
 from typing import Any
 
 import numpy as np
 
 from meshnet.models.ggml_lib import F16, Builder, Tensor, gg
 
-_STEP = 64  # capacity grows in multiples of this many tokens
 _ALIGN = 64  # bytes: ggml's CPU buffers start on 32-byte boundaries
+_FIRST_CELLS = 256
+_owners = count(1)
 
 
 def _zeros(shape: tuple[int, ...]) -> np.ndarray:
     """F16 zeros whose first byte is `_ALIGN`-aligned."""
-    count = int(np.prod(shape))
-    raw = np.zeros(count * 2 + _ALIGN, np.uint8)
+    size = int(np.prod(shape)) * 2
+    raw = np.zeros(size + _ALIGN, np.uint8)
     skip = -raw.ctypes.data % _ALIGN
-    return raw[skip : skip + count * 2].view(np.float16).reshape(shape)
+    return raw[skip : skip + size].view(np.float16).reshape(shape)
 
 
-class GgmlCache:
+class KvPool:
     def __init__(self, layers: int, width: int) -> None:
         self.layers = layers
         self.width = width
-        self.length = 0
-        self.data = _zeros((layers, 2, 0, width))
+        self.data = _zeros((layers, 2, _FIRST_CELLS, width))
+        self.owner = np.full(_FIRST_CELLS, -1, np.int64)  # the session of each cell, -1 free
+        self.position = np.zeros(_FIRST_CELLS, np.int64)  # its token's position
         self.buffer: Any = None
 
     @property
     def capacity(self) -> int:
-        return int(self.data.shape[2])
+        return int(self.owner.shape[0])
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
+    def used_cells(self) -> int:
+        """Cells a round must attend over: up to the highest one taken."""
+        taken = np.flatnonzero(self.owner >= 0)
+        return int(taken[-1]) + 1 if taken.size else 0
 
-    def reserve(self, tokens: int) -> None:
-        """Room for `tokens` tokens; the first `length` are kept."""
-        if tokens <= self.capacity:
-            return
-        capacity = max(tokens, 2 * self.capacity)
-        capacity = -(-capacity // _STEP) * _STEP
+    def take(self, owner: int, positions: np.ndarray) -> np.ndarray:
+        """Cells for `owner`'s tokens at `positions`, the lowest free first."""
+        free = np.flatnonzero(self.owner < 0)
+        while free.size < len(positions):
+            self._grow()
+            free = np.flatnonzero(self.owner < 0)
+        cells = free[: len(positions)]
+        self.owner[cells], self.position[cells] = owner, positions
+        return cells
+
+    def release(self, cells: np.ndarray) -> None:
+        self.owner[cells] = -1
+
+    def _grow(self) -> None:
+        capacity = 2 * self.capacity
         grown = _zeros((self.layers, 2, capacity, self.width))
-        grown[:, :, : self.length] = self.data[:, :, : self.length]
+        grown[:, :, : self.capacity] = self.data
+        self.owner = np.concatenate([self.owner, np.full(self.capacity, -1, np.int64)])
+        self.position = np.concatenate([self.position, np.zeros(self.capacity, np.int64)])
         self._free_buffer()
         self.data = grown
 
     def tensor(self, build: Builder, layer: int, which: int) -> Tensor:
         """Layer `layer`'s keys (`which` 0) or values (1): a ggml tensor [width, capacity]."""
         if self.buffer is None:
-            self.buffer = gg.ggml_backend_cpu_buffer_from_ptr(self.data.ctypes.data, self.nbytes)
+            self.buffer = gg.ggml_backend_cpu_buffer_from_ptr(
+                self.data.ctypes.data, self.data.nbytes
+            )
         tensor = build.new(F16, self.width, self.capacity)
         offset = (layer * 2 + which) * self.capacity * self.width * 2
         gg.ggml_backend_tensor_alloc(self.buffer, tensor, self.data.ctypes.data + offset)
         return tensor
 
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def copy(self, length: int) -> GgmlCache:
-        """A new cache holding this one's first `length` tokens."""
-        other = GgmlCache(self.layers, self.width)
-        other.reserve(length)
-        other.data[:, :, :length] = self.data[:, :, :length]
-        other.length = length
-        return other
+    def mask(
+        self, owners: np.ndarray, positions: np.ndarray, keys: int, window: int | None
+    ) -> np.ndarray:
+        """[N, keys]: 0 where query i (of session `owners[i]` at `positions[i]`) may see cell
+        j, -inf elsewhere."""
+        owner, position = self.owner[None, :keys], self.position[None, :keys]
+        query = positions[:, None]
+        seen = (owner == owners[:, None]) & (position <= query)
+        if window:
+            seen &= position > query - window
+        return np.where(seen, 0.0, -np.inf)
 
     def _free_buffer(self) -> None:
         if self.buffer is not None:
@@ -80,3 +102,66 @@ class GgmlCache:
 
     def __del__(self) -> None:
         self._free_buffer()
+
+
+class PoolCache:
+    """One session's cells of a `KvPool`, in position order (cell i holds position i)."""
+
+    def __init__(self, pool: KvPool) -> None:
+        self.pool = pool
+        self.owner = next(_owners)
+        self.cells = np.zeros(0, np.int64)
+
+    @property
+    def length(self) -> int:
+        return int(self.cells.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.pool.layers * 2 * self.pool.width * 2
+
+    def extend(self, position: int, tokens: int) -> np.ndarray:
+        """Cells for tokens [position, position + tokens); the session holds `position`."""
+        self.truncate(position)
+        new = self.pool.take(self.owner, np.arange(position, position + tokens))
+        self.cells = np.concatenate([self.cells, new])
+        return new
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.pool.release(self.cells[length:])
+            self.cells = self.cells[:length]
+
+    def copy(self, length: int) -> PoolCache:
+        """A new session holding this one's first `length` tokens (copied cells)."""
+        other = PoolCache(self.pool)
+        cells = other.extend(0, length)
+        self.pool.data[:, :, cells] = self.pool.data[:, :, self.cells[:length]]
+        return other
+
+    def __del__(self) -> None:
+        mine = self.cells[self.pool.owner[self.cells] == self.owner]
+        self.pool.release(mine)
+
+
+@dataclass(frozen=True)
+class PoolRound:
+    """A round's inputs by name (`ggml_lib.RoundValues`): `x` (activations [N, H]),
+    `positions` and `cells` (each token's), `mask:<window>` ([N, keys] F16, per window)."""
+
+    hidden: np.ndarray
+    positions: np.ndarray
+    cells: np.ndarray
+    owners: np.ndarray  # each token's session (`PoolCache.owner`)
+    keys: int
+    pool: KvPool
+
+    def array(self, name: str) -> np.ndarray:
+        if name == "x":
+            return self.hidden
+        if name in ("positions", "cells"):
+            return self.positions if name == "positions" else self.cells
+        window = name.split(":")[1]
+        return self.pool.mask(
+            self.owners, self.positions, self.keys, int(window) if window != "None" else None
+        )

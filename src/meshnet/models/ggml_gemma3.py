@@ -10,12 +10,12 @@ head's). The file stores every norm weight as 1 + w, which is what ggml multipli
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from meshnet.models import ggml_graphs
 from meshnet.models.ggml_graphs import Params, Weights, attention, field_reader, rms_norm, rope
-from meshnet.models.ggml_lib import Builder, FrameRef, Tensor, gg
+from meshnet.models.ggml_lib import Builder, Tensor, gg
 
 LOCAL_ROPE_BASE = 10_000.0
 PATTERN = 6  # every sixth layer (5, 11, ...) attends globally
@@ -65,7 +65,6 @@ class Gemma3Graph:
         index: int,
         local: int,
         x: Tensor,
-        frames: Sequence[FrameRef],
     ) -> Tensor:
         ctx = build.ctx
 
@@ -92,9 +91,7 @@ class Gemma3Graph:
             for p in ("q", "k")
         )
         window = int(params.extra["window"]) if local_layer else None
-        mixed = attention(
-            build, q, k, heads["v"], frames, local, 1 / math.sqrt(params.head_dim), window
-        )
+        mixed = attention(build, q, k, heads["v"], local, 1 / math.sqrt(params.head_dim), window)
         cur = rms_norm(
             build,
             gg.ggml_mul_mat(ctx, w("attn_output"), mixed),

@@ -9,12 +9,12 @@ session's F16 cache that every family uses. Imports no torch.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from meshnet.errors import ModelError
-from meshnet.models.ggml_lib import F16, Builder, FrameRef, Tensor, gg
+from meshnet.models.ggml_lib import F16, Builder, Tensor, gg
 
 _MODULES = ("meshnet.models.ggml_llama", "meshnet.models.ggml_gemma3")
 _REGISTRY: dict[str, Family] = {}
@@ -59,9 +59,9 @@ class Family(Protocol):
         index: int,
         local: int,
         x: Tensor,
-        frames: Sequence[FrameRef],
     ) -> Tensor:
-        """Layer `index` (the span's `local`-th) applied to `x` [H, N] f32."""
+        """Layer `index` (the span's `local`-th) applied to `x` [H, N] f32 (the round's
+        tokens; `build.positions`, `build.cells` and `build.pool` are set)."""
         ...
 
 
@@ -136,58 +136,35 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    frames: Sequence[FrameRef],
     local: int,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
-    """Each frame's queries over its session's cache: q [hd, heads, N], k and v
-    [hd, kv_heads, N] (this round's) -> [hd * heads, N]. New keys and values are written to
-    the cache rows at their positions; query head h reads key head h // (heads / kv_heads)."""
-    ctx = build.ctx
-    hd, heads, kv_heads = q.contents.ne[0], q.contents.ne[1], k.contents.ne[1]
-    width = hd * kv_heads
-    k2 = gg.ggml_reshape_2d(ctx, k, width, k.contents.ne[2])
-    v2 = gg.ggml_reshape_2d(ctx, v, width, v.contents.ne[2])
-    outs = []
-    for frame in frames:
-        total = frame.keys  # rows [0, position + length), padded: the mask hides the rest
-        keys = _cached(build, frame, (local, 0, hd), _columns(ctx, k2, frame), total)
-        values = _cached(build, frame, (local, 1, hd), _columns(ctx, v2, frame), total)
-        keys = gg.ggml_permute(ctx, keys, 0, 2, 1, 3)  # [hd, total, kv_heads]
-        values = gg.ggml_permute(ctx, values, 0, 2, 1, 3)  # [hd, total, kv_heads]
-        row = q.contents.nb[2]
-        query = gg.ggml_view_3d(
-            ctx, q, hd, heads, frame.length, q.contents.nb[1], row, frame.start * row
+    """The round's queries over its sessions' cache cells: q [hd, heads, N], k and v
+    [hd, kv_heads, N] (this round's, written to their cells first) -> [hd * heads, N]. One
+    attention for every session of the round: the mask lets each query see only its own
+    session's cells (ADR-0051); query head h reads key head h // (heads / kv_heads)."""
+    ctx, pool = build.ctx, build.pool
+    hd, heads, kv_heads, tokens = (
+        q.contents.ne[0],
+        q.contents.ne[1],
+        k.contents.ne[1],
+        q.contents.ne[2],
+    )
+    if build.data is None:
+        raise ModelError("attention needs a round's values (its pool cells)")
+    width, keys = hd * kv_heads, build.data.keys
+    cached = []
+    for which, new in ((0, k), (1, v)):
+        table = gg.ggml_set_rows(
+            ctx,
+            pool.tensor(build, local, which),
+            gg.ggml_reshape_2d(ctx, new, width, tokens),
+            build.cells,
         )
-        query = gg.ggml_permute(ctx, query, 0, 2, 1, 3)  # [hd, T, heads]
-        mask = _mask(build, frame, window)
-        mixed = gg.ggml_flash_attn_ext(ctx, query, keys, values, mask, scale, 0.0, 0.0)
-        outs.append(gg.ggml_reshape_2d(ctx, mixed, hd * heads, frame.length))  # from [hd, heads, T]
-    out = outs[0]
-    for more in outs[1:]:
-        out = gg.ggml_concat(ctx, out, more, 1)
-    return out
-
-
-def _columns(ctx: Any, x: Tensor, frame: FrameRef) -> Tensor:
-    """Columns [start, start + length) of `x` [width, N]."""
-    stride = x.contents.nb[1]
-    return gg.ggml_view_2d(ctx, x, x.contents.ne[0], frame.length, stride, frame.start * stride)
-
-
-def _cached(
-    build: Builder, frame: FrameRef, where: tuple[int, int, int], new: Tensor, total: int
-) -> Tensor:
-    """The session's keys or values [hd, kv_heads, total] with `new` [hd * kv_heads, T]
-    written at its rows; `where` is (layer, 0 for keys or 1 for values, hd)."""
-    local, which, hd = where
-    cache = gg.ggml_set_rows(build.ctx, frame.cache.tensor(build, local, which), new, frame.rows)
-    width = frame.cache.width
-    return gg.ggml_view_3d(build.ctx, cache, hd, width // hd, total, hd * 2, width * 2, 0)
-
-
-def _mask(build: Builder, frame: FrameRef, window: int | None) -> Tensor:
-    """Frame's attention mask (`RoundData`): one per frame and window, shared by the round's
-    layers."""
-    return build.input(f"mask:{frame.index}:{window}", F16)
+        view = gg.ggml_view_3d(ctx, table, hd, kv_heads, keys, hd * 2, width * 2, 0)
+        cached.append(gg.ggml_permute(ctx, view, 0, 2, 1, 3))  # [hd, keys, kv_heads]
+    query = gg.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, N, heads]
+    mask = build.input(f"mask:{window}", F16)
+    mixed = gg.ggml_flash_attn_ext(ctx, query, cached[0], cached[1], mask, scale, 0.0, 0.0)
+    return gg.ggml_reshape_2d(ctx, mixed, hd * heads, tokens)  # from [hd, heads, N]

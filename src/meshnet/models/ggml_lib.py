@@ -12,8 +12,7 @@ import ctypes
 import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,8 +24,8 @@ except ImportError as exc:  # pragma: no cover - ggml-python is installed by ./r
     raise ModelError(f"the ggml backend needs ggml-python ({exc}); use --backend torch") from exc
 
 __all__ = [
-    "F16", "F32", "I32", "I64", "PAD", "Builder", "FrameRef", "Graph", "RoundData", "Tensor",
-    "gg", "padded", "tensor_bytes",
+    "F16", "F32", "I32", "I64", "PAD", "Builder", "Graph", "RoundValues", "Tensor", "gg",
+    "padded", "tensor_bytes",
 ]  # fmt: skip
 
 Tensor = Any  # a ctypes pointer to a ggml_tensor
@@ -46,12 +45,11 @@ _fix_pointer_results()
 
 F32, F16, I32, I64 = gg.GGML_TYPE_F32, gg.GGML_TYPE_F16, gg.GGML_TYPE_I32, gg.GGML_TYPE_I64
 _NUMPY = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64}
-NODES_PER_LAYER = 48  # graph nodes one layer takes besides its frames' attention
-NODES_PER_FRAME = 24  # a frame's attention in one layer
+NODES_PER_LAYER = 64  # graph nodes one layer takes, at most
 
 
-def _nodes(layers: int, frames: int) -> int:
-    return 64 + layers * (NODES_PER_LAYER + NODES_PER_FRAME * frames)
+def _nodes(layers: int) -> int:
+    return 64 + layers * NODES_PER_LAYER
 
 
 def tensor_bytes(tensor: Tensor) -> int:
@@ -62,66 +60,32 @@ def data_address(tensor: Tensor) -> int:
     return int(tensor.contents.data)
 
 
-PAD = 64  # a frame attends over its cache rows padded to this many (masked): shapes, and so
-# a decode step's graph, stay the same for PAD tokens and the graph is reused
+PAD = 256  # a round attends over the pool's cells up to the highest taken, padded to this:
+# shapes, and so a round's graph, stay the same while the pool grows within it
 
 
-def padded(tokens: int) -> int:
-    return -(-tokens // PAD) * PAD
+def padded(cells: int) -> int:
+    return max(PAD, -(-cells // PAD) * PAD)
 
 
-@dataclass
-class FrameRef:
-    """One frame of a round: its tokens' columns [start, start + length) of the round's
-    activations, its cache and the cache rows it attends over ([0, keys), padded)."""
+class RoundValues(Protocol):
+    """A round's inputs by name (`models.ggml_cache.PoolRound`)."""
 
-    index: int
-    start: int
-    length: int
-    keys: int
-    cache: Any  # GgmlCache
-    rows: Tensor  # I64 [length]: the cache rows its new keys and values go to
+    @property
+    def keys(self) -> int:
+        """The pool cells the round attends over."""
+        ...
 
-
-@dataclass(frozen=True)
-class RoundData:
-    """The values of a round's inputs, by name: `x` (the activations [N, H]), `positions`
-    (every token's), `rows:i` (frame i's new cache rows) and `mask:i:window` (frame i's
-    attention mask [keys, T] in F16: 0 where its query may see a key, -inf elsewhere)."""
-
-    hidden: np.ndarray
-    positions: tuple[int, ...]
-    lengths: tuple[int, ...]
-    keys: tuple[int, ...]
-
-    def array(self, name: str) -> np.ndarray:
-        if name == "x":
-            return self.hidden
-        if name == "positions":
-            return np.concatenate([self._rows(i) for i in range(len(self.lengths))])
-        kind, index, window = (name.split(":") + [""])[:3]
-        if kind == "rows":
-            return self._rows(int(index))
-        return self._mask(int(index), int(window) if window != "None" else None)
-
-    def _rows(self, index: int) -> np.ndarray:
-        start = self.positions[index]
-        return np.arange(start, start + self.lengths[index])
-
-    def _mask(self, index: int, window: int | None) -> np.ndarray:
-        query = self._rows(index)[:, None]
-        keys = np.arange(self.keys[index])[None, :]
-        seen = keys <= query
-        if window:
-            seen &= keys > query - window
-        return np.where(seen, 0.0, -np.inf)
+    def array(self, name: str) -> np.ndarray: ...
 
 
 class Builder:
     """One round's graph, in a context that holds no data (ggml allocates): inputs are named
-    (`RoundData`), so a kept graph runs again on another round of the same shape."""
+    (`RoundValues`), so a kept graph runs again on another round of the same shape.
+    `pool` (a span's `KvPool`) and `positions` / `cells` (every token's position and cache
+    cell, I32 / I64 [N]) are set by the span that builds it."""
 
-    def __init__(self, graph: Graph, nodes: int, data: RoundData | None = None) -> None:
+    def __init__(self, graph: Graph, nodes: int, data: RoundValues | None = None) -> None:
         self.graph = graph
         size = gg.ggml_tensor_overhead() * nodes * 2 + gg.ggml_graph_overhead_custom(nodes, False)
         self.ctx = gg.ggml_init(gg.ggml_init_params(size, None, True))
@@ -129,6 +93,8 @@ class Builder:
         self.data = data
         self.inputs: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor, kind)
         self.positions: Tensor | None = None
+        self.cells: Tensor | None = None
+        self.pool: Any = None
         self.cgraph: Any = None
         self.out: Tensor | None = None
 
@@ -149,16 +115,11 @@ class Builder:
         self.inputs[name] = (tensor, kind)
         return tensor
 
-    def frames(self, caches: Sequence[Any]) -> list[FrameRef]:
-        """The round's frames, and the positions of all its tokens (`self.positions`)."""
-        assert self.data is not None  # noqa: S101
-        refs, start = [], 0
-        for i, (cache, length) in enumerate(zip(caches, self.data.lengths, strict=True)):
-            rows = self.input(f"rows:{i}", I64)
-            refs.append(FrameRef(i, start, length, self.data.keys[i], cache, rows))
-            start += length
+    def token_inputs(self, pool: Any) -> None:
+        """The round's token positions and cells, over `pool`'s keys and values."""
+        self.pool = pool
         self.positions = self.input("positions", I32)
-        return refs
+        self.cells = self.input("cells", I64)
 
     def finish(self, out: Tensor) -> None:
         """Build the graph ending at `out` and allocate it."""
@@ -214,9 +175,9 @@ class Graph:
         self.pool = pool
 
     @contextmanager
-    def round(self, layers: int = 0, frames: int = 0) -> Iterator[Builder]:
+    def round(self, layers: int = 0) -> Iterator[Builder]:
         """A one-off round (closed after its block)."""
-        build = Builder(self, _nodes(layers, frames))
+        build = Builder(self, _nodes(layers))
         try:
             yield build
         finally:
@@ -226,10 +187,10 @@ class Graph:
         """The last round's graph when `key` (its shape) is the same: still allocated."""
         return self._kept[1] if self._kept is not None and self._kept[0] == key else None
 
-    def keep(self, key: Hashable, layers: int, data: RoundData | None = None) -> Builder:
+    def keep(self, key: Hashable, layers: int, data: RoundValues | None = None) -> Builder:
         """A new graph for rounds of shape `key`, replacing the kept one."""
         self.drop_kept()
-        build = Builder(self, _nodes(layers, len(data.lengths) if data else 0), data)
+        build = Builder(self, _nodes(layers), data)
         self._kept = (key, build)
         return build
 

@@ -8,12 +8,12 @@ those rotate adjacent pairs (mode 0) and the others rotate halves (NEOX).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from meshnet.models import ggml_graphs
 from meshnet.models.ggml_graphs import Params, Weights, attention, field_reader, rms_norm, rope
-from meshnet.models.ggml_lib import Builder, FrameRef, Tensor, gg
+from meshnet.models.ggml_lib import Builder, Tensor, gg
 
 _LAYER = (
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
@@ -55,7 +55,6 @@ class LlamaGraph:
         index: int,
         local: int,
         x: Tensor,
-        frames: Sequence[FrameRef],
     ) -> Tensor:
         ctx, name = build.ctx, f"blk.{index}."
         tokens = x.contents.ne[1]
@@ -72,7 +71,7 @@ class LlamaGraph:
         q = rope(build, heads["q"], params, params.rope_base, factors)
         k = rope(build, heads["k"], params, params.rope_base, factors)
         scale = 1.0 / math.sqrt(params.head_dim)
-        mixed = attention(build, q, k, heads["v"], frames, local, scale, params.extra["window"])
+        mixed = attention(build, q, k, heads["v"], local, scale, params.extra["window"])
         x = gg.ggml_add(ctx, x, gg.ggml_mul_mat(ctx, weights[name + "attn_output.weight"], mixed))
         cur = rms_norm(build, x, weights[name + "ffn_norm.weight"], params.eps)
         gate = gg.ggml_mul_mat(ctx, weights[name + "ffn_gate.weight"], cur)

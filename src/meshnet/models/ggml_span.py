@@ -18,12 +18,11 @@ import numpy as np
 
 from meshnet.errors import ModelError
 from meshnet.models import ggml_graphs
-from meshnet.models.ggml_cache import GgmlCache
+from meshnet.models.ggml_cache import KvPool, PoolCache, PoolRound
 from meshnet.models.ggml_lib import (
     F32,
     Builder,
     Graph,
-    RoundData,
     Tensor,
     gg,
     padded,
@@ -110,7 +109,8 @@ class GgmlSpan:
     """Layers `span` of a GGUF file, computed by ggml over the file's own weights.
 
     `forward_many` takes each frame's hidden states as float32 [T, H] with its cache and first
-    position and returns float32 [T, H] each; a cache grows only when the round succeeds.
+    position and returns float32 [T, H] each. The sessions' keys and values share one pool
+    (`models/ggml_cache.py`).
     """
 
     batches = True
@@ -128,48 +128,68 @@ class GgmlSpan:
         self.config = SpanShape(self.params.hidden, self.params.context)
         self.graph = Graph(threads)
         self.kv_width = self.params.kv_heads * self.params.head_dim
+        self.pool = KvPool(len(span), self.kv_width)  # every session's keys and values
         self.cache_bytes_per_token = 2 * len(span) * self.kv_width * 2  # K and V, f16
 
     @property
     def weight_bytes(self) -> int:
         return self.weights.bytes
 
-    def new_cache(self) -> GgmlCache:
-        return GgmlCache(len(self.span), self.kv_width)
+    def new_cache(self) -> PoolCache:
+        return PoolCache(self.pool)
 
-    def forward(self, hidden: np.ndarray, cache: GgmlCache, position: int) -> np.ndarray:
+    def forward(self, hidden: np.ndarray, cache: PoolCache, position: int) -> np.ndarray:
         """`hidden` float32 [T, H] at `position` -> float32 [T, H]."""
         return self.forward_many([hidden], [cache], [position])[0]
 
     def forward_many(
-        self, hiddens: Sequence[np.ndarray], caches: Sequence[GgmlCache], positions: Sequence[int]
+        self, hiddens: Sequence[np.ndarray], caches: Sequence[PoolCache], positions: Sequence[int]
     ) -> list[np.ndarray]:
-        lengths = tuple(h.shape[0] for h in hiddens)
-        keys = tuple(padded(p + n) for p, n in zip(positions, lengths, strict=True))
-        for cache, count in zip(caches, keys, strict=True):
-            cache.reserve(count)
-        data = RoundData(np.concatenate(hiddens, axis=0), tuple(positions), lengths, keys)
-        shape = tuple(
-            (c.data.ctypes.data, c.capacity, n, k)
-            for c, n, k in zip(caches, lengths, keys, strict=True)
-        )  # what the graph's tensors depend on: a decode step keeps it for PAD tokens
-        build = self.graph.kept(shape) or self._build(shape, caches, data)
+        """Frames of different sessions as one round; on failure every cache is cut back
+        to where its frame started."""
+        lengths = [h.shape[0] for h in hiddens]
         try:
-            out = build.compute(data.array)  # [N, H]
-        except Exception:
-            self.graph.drop_kept()
+            cells = [c.extend(p, n) for c, p, n in zip(caches, positions, lengths, strict=True)]
+            out = self._round(hiddens, caches, positions, cells)
+        except BaseException:
+            for cache, position in zip(caches, positions, strict=True):
+                cache.truncate(position)
             raise
-        for cache, position, length in zip(caches, positions, lengths, strict=True):
-            cache.length = position + length
         starts = np.cumsum([0, *lengths])
         return [out[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
-    def _build(self, shape: Hashable, caches: Sequence[GgmlCache], data: RoundData) -> Builder:
+    def _round(
+        self,
+        hiddens: Sequence[np.ndarray],
+        caches: Sequence[PoolCache],
+        positions: Sequence[int],
+        cells: Sequence[np.ndarray],
+    ) -> np.ndarray:
+        ranges = [np.arange(p, p + len(c)) for p, c in zip(positions, cells, strict=True)]
+        owners = [np.full(len(c), cache.owner) for c, cache in zip(cells, caches, strict=True)]
+        data = PoolRound(
+            np.concatenate(hiddens, axis=0),
+            np.concatenate(ranges),
+            np.concatenate(cells),
+            np.concatenate(owners),
+            padded(self.pool.used_cells()),
+            self.pool,
+        )
+        # what the graph's tensors depend on: the round's token count and the pool's size
+        shape = (self.pool.data.ctypes.data, self.pool.capacity, len(data.cells), data.keys)
+        build = self.graph.kept(shape) or self._build(shape, data)
+        try:
+            return build.compute(data.array)  # [N, H]
+        except Exception:
+            self.graph.drop_kept()
+            raise
+
+    def _build(self, shape: Hashable, data: PoolRound) -> Builder:
         build = self.graph.keep(shape, len(self.span), data)
         x = build.input("x", F32)  # [H, N]
-        frames = build.frames(caches)
+        build.token_inputs(self.pool)
         for local, index in enumerate(self.span):
-            x = self.family.layer(build, self.weights, self.params, index, local, x, frames)
+            x = self.family.layer(build, self.weights, self.params, index, local, x)
         build.finish(x)
         return build
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from meshnet.errors import WireError
-from meshnet.models.ggml_cache import GgmlCache
+from meshnet.models.ggml_cache import PoolCache
 from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.ggml_span import GgmlSpan
 from meshnet.node.torch_runner import CacheOps, TorchShardRunner
@@ -34,12 +34,12 @@ class GgmlShard:
         self.span: LayerSpan = span.span
         self.config = span.config
 
-    def forward(self, hidden: torch.Tensor, cache: GgmlCache, position: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: PoolCache, position: int) -> torch.Tensor:
         """`hidden` [1, T, H] at `position` -> [1, T, H] bf16."""
         return self.forward_many([hidden], [cache], [position])[0]
 
     def forward_many(
-        self, hiddens: Sequence[torch.Tensor], caches: Sequence[GgmlCache], positions: Sequence[int]
+        self, hiddens: Sequence[torch.Tensor], caches: Sequence[PoolCache], positions: Sequence[int]
     ) -> list[torch.Tensor]:
         rows = [_rows(hidden) for hidden in hiddens]
         outs = self.ggml.forward_many(rows, caches, positions)
