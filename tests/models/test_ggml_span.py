@@ -207,3 +207,14 @@ def test_the_pool_grows_and_frees_the_cells_of_cut_and_dropped_sessions(
     grown.truncate(100)  # a rewind
     del whole  # a dropped session
     assert (span.pool.owner >= 0).sum() == 100
+
+
+def test_a_truncated_file_is_refused_naming_the_first_tensor_past_its_end(
+    path: Path, tmp_path: Path
+) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-5_000_000])
+    with pytest.raises(
+        ModelError, match=r"cut\.gguf is truncated: tensor 'blk\.\d+\.[a-z_.]+' ends"
+    ):
+        GgmlSpan(cut, LayerSpan(0, 2))

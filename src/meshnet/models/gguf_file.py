@@ -182,6 +182,12 @@ def read_gguf(path: Path) -> GgufFile:
                 count * size // block,
                 quant_shape_to_byte_shape(dims, qtype),
             )
+        end = start + offset + count * dtype.itemsize
+        if end > len(mapped):
+            raise ModelError(
+                f"{path.name} is truncated: tensor {name!r} ends at byte {end}, the file has "
+                f"{len(mapped)}"
+            )
         data = np.frombuffer(mapped, dtype, count, start + offset).reshape(dims)
         tensors.append(GgufTensor(name, qtype, shape, data))
     return GgufFile(fields, tensors, mapped)
