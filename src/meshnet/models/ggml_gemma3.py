@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from meshnet.models import ggml_graphs
-from meshnet.models.ggml_graphs import Params, Weights, attention, field_reader, rms_norm, rope
+from meshnet.models.ggml_graphs import (
+    Params,
+    Weights,
+    attention,
+    field_reader,
+    read_params,
+    rms_norm,
+    rope,
+)
 from meshnet.models.ggml_lib import Builder, Tensor, gg
 
 LOCAL_ROPE_BASE = 10_000.0
@@ -30,24 +39,15 @@ class Gemma3Graph:
 
     def params(self, fields: Mapping[str, Any], arch: str) -> Params:
         read = field_reader(fields, arch)
-        hidden, head_dim = int(read("embedding_length")), int(read("attention.key_length"))
-        heads = int(read("attention.head_count"))
-        return Params(
-            layers=int(read("block_count")),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(read("attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            context=int(read("context_length", 32768)),
-            eps=float(read("attention.layer_norm_rms_epsilon")),
-            rope_base=float(read("rope.freq_base", 1_000_000.0)),
-            rope_mode=gg.GGML_ROPE_TYPE_NEOX,
-            extra={
-                "window": int(read("attention.sliding_window")),
-                "embed_scale": math.sqrt(hidden),
-                "rope_scale": 1.0 / float(read("rope.scaling.factor", 1.0)),
-            },
+        params = read_params(
+            fields, arch, context=32768, rope_base=1_000_000.0, rope_mode=gg.GGML_ROPE_TYPE_NEOX
         )
+        extra = {
+            "window": int(read("attention.sliding_window")),
+            "embed_scale": math.sqrt(params.hidden),
+            "rope_scale": 1.0 / float(read("rope.scaling.factor", 1.0)),
+        }
+        return replace(params, extra=extra)
 
     def tensor_names(self, index: int) -> list[str]:
         parts = (

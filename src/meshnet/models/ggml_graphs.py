@@ -110,6 +110,26 @@ def field_reader(fields: Mapping[str, Any], arch: str) -> Any:
     return read
 
 
+def read_params(
+    fields: Mapping[str, Any], arch: str, *, context: int, rope_base: float, rope_mode: int
+) -> Params:
+    """The shape every family reads alike (`{arch}.block_count`, ...); `context` and
+    `rope_base` where the file does not say; `extra` left for the family."""
+    read = field_reader(fields, arch)
+    hidden, heads = int(read("embedding_length")), int(read("attention.head_count"))
+    return Params(
+        layers=int(read("block_count")),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(read("attention.head_count_kv", heads)),
+        head_dim=int(read("attention.key_length", 0)) or hidden // heads,
+        context=int(read("context_length", context)),
+        eps=float(read("attention.layer_norm_rms_epsilon")),
+        rope_base=float(read("rope.freq_base", rope_base)),
+        rope_mode=rope_mode,
+    )
+
+
 def rms_norm(build: Builder, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return gg.ggml_mul(build.ctx, gg.ggml_rms_norm(build.ctx, x, eps), weight)
 

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from meshnet.models import ggml_graphs
-from meshnet.models.ggml_graphs import Params, Weights, attention, field_reader, rms_norm, rope
+from meshnet.models.ggml_graphs import (
+    Params,
+    Weights,
+    attention,
+    field_reader,
+    read_params,
+    rms_norm,
+    rope,
+)
 from meshnet.models.ggml_lib import Builder, Tensor, gg
 
 _LAYER = (
@@ -27,22 +36,11 @@ class LlamaGraph:
     archs: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
     def params(self, fields: Mapping[str, Any], arch: str) -> Params:
-        read = field_reader(fields, arch)
-        hidden, heads = int(read("embedding_length")), int(read("attention.head_count"))
-        head_dim = int(read("attention.key_length", 0)) or hidden // heads
+        mode = 0 if arch == "llama" else gg.GGML_ROPE_TYPE_NEOX
+        params = read_params(fields, arch, context=2048, rope_base=10000.0, rope_mode=mode)
+        dims = field_reader(fields, arch)("rope.dimension_count", params.head_dim)
         window = fields.get(f"{arch}.attention.sliding_window")
-        return Params(
-            layers=int(read("block_count")),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(read("attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            context=int(read("context_length", 2048)),
-            eps=float(read("attention.layer_norm_rms_epsilon")),
-            rope_base=float(read("rope.freq_base", 10000.0)),
-            rope_mode=0 if arch == "llama" else gg.GGML_ROPE_TYPE_NEOX,
-            extra={"rope_dims": read("rope.dimension_count", head_dim), "window": window},
-        )
+        return replace(params, extra={"rope_dims": dims, "window": window})
 
     def tensor_names(self, index: int) -> list[str]:
         return [f"blk.{index}.{name}" for name in _LAYER] + ["rope_freqs.weight"]
