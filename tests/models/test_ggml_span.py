@@ -218,3 +218,14 @@ def test_a_truncated_file_is_refused_naming_the_first_tensor_past_its_end(
         ModelError, match=r"cut\.gguf is truncated: tensor 'blk\.\d+\.[a-z_.]+' ends"
     ):
         GgmlSpan(cut, LayerSpan(0, 2))
+
+
+def test_the_tracker_sizes_gguf_layers_as_the_file_holds_them(path: Path) -> None:
+    from meshnet.models.sizing import file_layer_bytes
+    from meshnet.tracker.offers import offer
+
+    (span,) = spans(path)
+    assert file_layer_bytes(path) * 30 == span.weight_bytes  # Q4_1 throughout: every layer alike
+    model = offer("default")
+    assert model.layer_bytes["gguf"] == file_layer_bytes(path)
+    assert model.layer_bytes["gguf"] < model.layer_bytes["int8"] < model.layer_bytes["bf16"]
