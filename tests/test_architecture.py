@@ -157,13 +157,26 @@ def test_no_print_in_library_code() -> None:
 
 
 def test_a_ggml_span_computes_without_torch() -> None:
-    """The ggml backend's models part imports no torch (ADR-0051): a node whose spans are all
-    ggml needs torch only at its wire and runner seam."""
+    """The ggml backend's models part imports no torch (ADR-0051)."""
     code = (
         "import sys, numpy as np; from meshnet.models.source import resolve; "
         "from meshnet.models.ggml_span import GgmlSpan; from meshnet.types import LayerSpan; "
         "s = GgmlSpan(resolve('default').path, LayerSpan(0, 2)); "
         "s.forward(np.zeros((2, 576), np.float32), s.new_cache(), 0); "
+        "print('torch' in sys.modules)"
+    )
+    assert python_says(code) == "False"
+
+
+def test_a_node_that_serves_ggml_spans_alone_imports_no_torch() -> None:
+    """What a `--no-entry` ggml node loads (ADR-0052): its assembly, the wire, the runner seam
+    and a span loaded by `load_runner` (the process test, `tests/node/test_lean_node.py`,
+    checks a real one's mapped libraries)."""
+    code = (
+        "import sys; import meshnet.cli, meshnet.cli.serve, meshnet.assemble.node; "
+        "from meshnet.config import NodeConfig; from meshnet.node.startup import load_runner; "
+        "from meshnet.types import LayerSpan; from meshnet.wire import decode_bits, encode; "
+        "load_runner(NodeConfig(entry=False), 'default', 'default', LayerSpan(0, 2)); "
         "print('torch' in sys.modules)"
     )
     assert python_says(code) == "False"

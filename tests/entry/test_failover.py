@@ -17,6 +17,7 @@ from meshnet.text.events import Delta
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.types import Hop, NodeId
 from meshnet.wire import FrameMeta
+from meshnet.wire.tensors import as_tensor
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh, scored
 from tests.entry.test_generation import collect
@@ -157,8 +158,8 @@ class Poisoned:
         self.model, self.span = runner.model, runner.span  # type: ignore[attr-defined]
 
     def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.runner.forward(meta, hidden)  # type: ignore[attr-defined]
-        return out if meta.position < self.position else out.fill_(self.value)
+        out = as_tensor(self.runner.forward(meta, hidden))  # type: ignore[attr-defined]
+        return out if meta.position < self.position else out.clone().fill_(self.value)
 
     def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
         return one_by_one(self.forward, frames)

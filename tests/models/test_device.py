@@ -49,6 +49,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
     """PyTorch reports `count` CUDA devices (none is touched by these tests)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dev, "nvidia_driver_present", lambda: count > 0)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -28,28 +29,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def node_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def node_process(args: list[str], key: str) -> Iterator[tuple[str, int]]:
+    """`meshnet node ARGS` on a free port with swarm key `key`: its URL and pid once healthy."""
     port = free_port()
-    data_dir = tmp_path_factory.mktemp("node")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshnet.cli",
-            "node",
-            "--model",
-            "default",
-            "--layers",
-            "10:20",
-            "--quant",
-            "fp32",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-        ],
-        env={**os.environ, "MESHNET_SWARM_KEY": KEY},
+        [sys.executable, "-m", "meshnet.cli", "node", *args, "--port", str(port)],
+        env={**os.environ, "MESHNET_SWARM_KEY": key},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -61,10 +47,18 @@ def node_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)  # waiting on the readiness signal, not a fixed sleep
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def node_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data_dir = tmp_path_factory.mktemp("node")
+    args = ["--model", "default", "--layers", "10:20", "--quant", "fp32"]
+    with node_process([*args, "--data-dir", str(data_dir)], KEY) as (url, _):
+        yield url
 
 
 @pytest.mark.slow

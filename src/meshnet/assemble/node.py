@@ -4,6 +4,9 @@ The node loads the span given by hand (`--layers`, or every layer when there is 
 registers, and loads or drops spans as the tracker directs. When it may be an entry (the
 default), each span from layer 0 comes with the head and tokenizer and its model is answered
 on the node's OpenAI-compatible API, with routes for the hops after it from the tracker.
+
+A `--no-entry` node serves spans alone (`SpanRole`) and imports nothing of the entry; when its
+spans are computed by ggml it never imports torch either (ADR-0052).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.applications import Starlette
@@ -28,9 +32,6 @@ from meshnet.config import (
     WireConfig,
     WireLimits,
 )
-from meshnet.entry.role import EntryRole, entry_budget
-from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
-from meshnet.entry.transport import HttpTransport
 from meshnet.errors import ModelError
 from meshnet.models.device import resolve_device
 from meshnet.models.source import resolve
@@ -38,7 +39,13 @@ from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.compute import host_turns, pin_loop_thread
 from meshnet.node.directory import tracker_directory
-from meshnet.node.startup import data_dir, registration, tracker_client
+from meshnet.node.startup import (
+    SpanRole,
+    data_dir,
+    node_backend,
+    registration,
+    tracker_client,
+)
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
 from meshnet.security.signing import Signer
@@ -48,6 +55,10 @@ from meshnet.tracker import messages as msg
 from meshnet.tracker.offers import offer
 from meshnet.types import LayerSpan, NodeId
 from meshnet.wire.route import Reply
+
+if TYPE_CHECKING:
+    from meshnet.entry.role import EntryRole
+    from meshnet.entry.transport import HttpTransport
 
 log = logging.getLogger(__name__)
 ClientFactory = Callable[[], httpx.AsyncClient]
@@ -80,6 +91,8 @@ def node_registration(
     """An entry span given by hand registers a budget that holds its head too; a node
     serving https registers an https address."""
     if config.entry and pinned is not None and pinned.start == 0:
+        from meshnet.entry.role import entry_budget
+
         config = replace(config, budget_bytes=entry_budget(config, pinned))
     return registration(config, scheme(tls))
 
@@ -108,7 +121,7 @@ def node_service(
 
 
 def agent_lifespan(
-    role: EntryRole,
+    role: EntryRole | SpanRole,
     client: ClientFactory,
     request: msg.RegisterRequest,
     on_stop: Callable[[], Awaitable[None]],
@@ -144,35 +157,30 @@ def build_app(
     pinned = pinned_span(config)
     request = node_registration(config, pinned, access.tls)
     service = node_service(config, request.node_id, access)
-    signer = Signer(access.swarm_key)
-    transport = HttpTransport(
-        service.wire,
-        timeout_s=entry.hop_timeout_s,
-        signer=signer,
-        metrics=service.metrics,
-        tls=client_context(access.tls),
-        inbox=service.inbox,
-        peers=service.peers,
-        links=service.links,
-        reply=Reply(NodeId(request.node_id), request.address),
-    )
     # its token comes with the registration, and stays for the next run
     member = Membership.kept(request.node_id, data_dir(config) / "membership_token")
-    routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
     service.forwarder.max_budget_ms = int(1000 * entry.hop_timeout_s)
+    client = None
     if config.tracker_url is not None:
         client = tracker_client(config.tracker_url, access, entry.route_timeout_s)
-        routes = TrackerRoutes(client, member)
         service.forwarder.directory = tracker_directory(client)  # whom it may push to
-    role = EntryRole(config, entry, service, routes, transport)
+    role: EntryRole | SpanRole = SpanRole(config, service)
+    api: ASGIApp | None = None
+    rules: list[Rule] = []
+    on_stop: Callable[[], Awaitable[None]] = _nothing
+    if config.entry:
+        entry_role, on_stop = make_entry_role(
+            config, entry, access, service, request, client, member
+        )
+        api, rules = entry_api(entry_role, entry, limits, access)
+        role = entry_role
     if pinned is not None:
         load_pinned(role, config, pinned)
-    api, rules = entry_api(role, entry, limits, access) if config.entry else (None, ())
     lifespan = None
     if config.tracker_url is not None:
         url = config.tracker_url
         lifespan = agent_lifespan(
-            role, lambda: tracker_client(url, access), request, transport.aclose, member
+            role, lambda: tracker_client(url, access), request, on_stop, member
         )
     app = create_app(
         service=service,
@@ -183,6 +191,49 @@ def build_app(
     )
     app.state.role = role
     return app
+
+
+async def _nothing() -> None:
+    return None
+
+
+def make_entry_role(
+    config: NodeConfig,
+    entry: EntryConfig,
+    access: AccessConfig,
+    service: NodeService,
+    request: msg.RegisterRequest,
+    client: httpx.AsyncClient | None,
+    member: Membership,
+) -> tuple[EntryRole, Callable[[], Awaitable[None]]]:
+    """The entry role of a node that may be one, and what closes its hops' connections."""
+    from meshnet.entry.role import EntryRole
+    from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
+
+    transport = entry_transport(service, entry, access, request)
+    routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
+    if client is not None:
+        routes = TrackerRoutes(client, member)
+    return EntryRole(config, entry, service, routes, transport), transport.aclose
+
+
+def entry_transport(
+    service: NodeService, entry: EntryConfig, access: AccessConfig, request: msg.RegisterRequest
+) -> HttpTransport:
+    """How an entry on `service` reaches its hops, and is reached by pushed answers."""
+    from meshnet.entry.transport import HttpTransport
+
+    return HttpTransport(
+        service.wire,
+        timeout_s=entry.hop_timeout_s,
+        signer=Signer(access.swarm_key),
+        metrics=service.metrics,
+        tls=client_context(access.tls),
+        inbox=service.inbox,
+        peers=service.peers,
+        links=service.links,
+        reply=Reply(NodeId(request.node_id), request.address),
+    )
 
 
 def entry_api(
@@ -196,7 +247,7 @@ def entry_api(
     return api, access_rules(limits, access.swarm_key is not None)
 
 
-def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:
+def load_pinned(role: EntryRole | SpanRole, config: NodeConfig, span: LayerSpan) -> None:
     """Load the span given by hand before serving (with the head when it is an entry's)."""
     partial = span.end < resolve(config.model).spec.num_layers
     if config.tracker_url is None and config.entry and span.start == 0 and partial:
@@ -210,10 +261,17 @@ def load_pinned(role: EntryRole, config: NodeConfig, span: LayerSpan) -> None:
     role.attach(runner)
 
 
+def torch_computes(config: NodeConfig) -> bool:
+    """Whether this node computes with torch: all but a `--no-entry` node whose model ggml
+    computes (an entry's pipeline and sampling are torch's)."""
+    return config.entry or node_backend(config, config.model) != "ggml"
+
+
 def serve(config: NodeConfig, access: AccessConfig, entry: EntryConfig, limits: ApiLimits) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
     config = on_device(config)
-    pin_loop_thread()  # before any torch op: model work belongs to the compute thread
+    if torch_computes(config):
+        pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_app(config, access, entry, limits)
     api = " (API under /v1 where it holds layer 0)" if config.entry else ""
     url = f"{scheme(access.tls)}://{config.host}:{config.port}"

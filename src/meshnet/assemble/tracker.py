@@ -22,7 +22,13 @@ from starlette.applications import Starlette
 from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
 from meshnet.assemble.http import ServerLimits, server_config
-from meshnet.assemble.node import agent_lifespan, node_registration, node_service, on_device
+from meshnet.assemble.node import (
+    agent_lifespan,
+    entry_transport,
+    node_registration,
+    node_service,
+    on_device,
+)
 from meshnet.config import (
     AccessConfig,
     ApiLimits,
@@ -33,7 +39,6 @@ from meshnet.config import (
 )
 from meshnet.entry.role import EntryRole, entry_span, load_entry_model
 from meshnet.entry.routes import RegistryRoutes
-from meshnet.entry.transport import HttpTransport
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
@@ -48,8 +53,6 @@ from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.registry import Registry
-from meshnet.types import NodeId
-from meshnet.wire.route import Reply
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +106,7 @@ def build_tracker_node_app(
     add_node_routes(app, service)  # other entry nodes may route through our span
     service.forwarder.directory = registry_directory(registry)  # whom it may push to
     service.forwarder.max_budget_ms = int(1000 * entry.hop_timeout_s)
-    transport = HttpTransport(
-        service.wire,
-        timeout_s=entry.hop_timeout_s,
-        signer=signer,
-        metrics=service.metrics,
-        tls=client_context(access.tls),
-        inbox=service.inbox,
-        peers=service.peers,
-        links=service.links,
-        reply=Reply(NodeId(request.node_id), request.address),
-    )
+    transport = entry_transport(service, entry, access, request)
     routes = RegistryRoutes(registry, random.Random(tracker.route_seed), request.node_id)
     role = EntryRole(node, entry, service, routes, transport)
     load = (node, offer(node.model).model, node.model, span)

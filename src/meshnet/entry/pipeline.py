@@ -33,7 +33,8 @@ from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, SessionKeys
 from meshnet.types import Hop, ModelId, NodeId
-from meshnet.wire import Chunk, FrameMeta, split_prefill
+from meshnet.wire import FrameMeta, split_prefill
+from meshnet.wire.tensors import TensorChunk, as_tensor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -290,7 +291,7 @@ class Pipeline:
                 rewind,
                 session.forking,
             )
-            outputs.append(self.local.forward(meta, piece.hidden))
+            outputs.append(as_tensor(self.local.forward(meta, piece.hidden)))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return out if pick is None else pick(tail(self.head.logits(out[:, -rows:])[0], rows))
 
@@ -309,7 +310,7 @@ class Pipeline:
                 results.append(Failed(exc))
         return results
 
-    async def remote(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
+    async def remote(self, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
         """One chunk through every remote hop in order; the last hop's output.
 
         A hop that fails is replaced (`failover`) and the same chunk goes to its replacement.
@@ -328,7 +329,7 @@ class Pipeline:
         return hidden
 
     async def hop(
-        self, session: PipelineSession, k: int, chunk: Chunk, hidden: torch.Tensor
+        self, session: PipelineSession, k: int, chunk: TensorChunk, hidden: torch.Tensor
     ) -> torch.Tensor:
         """`hidden` [1, T, H], chunk `chunk`'s input to remote hop `k`, relayed through it:
         its output, once the session recorded what it was sent (raises `HopError`)."""
@@ -354,7 +355,7 @@ class Pipeline:
         self.checker.offer(self, session, k, meta, out)
         return out
 
-    async def _pushed(self, session: PipelineSession, chunk: Chunk) -> torch.Tensor:
+    async def _pushed(self, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
         """One chunk pushed through the whole route, each hop sending on to the next
         (ADR-0034); the last hop's output. A failed step moves the session to a new route,
         replayed from what the first hop was sent, and the chunk goes again."""

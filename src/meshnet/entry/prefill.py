@@ -26,14 +26,15 @@ import torch
 
 from meshnet.entry.failover import reroute
 from meshnet.errors import HopError
-from meshnet.wire import Chunk, split_prefill
+from meshnet.wire import split_prefill
+from meshnet.wire.tensors import TensorChunk
 
 if TYPE_CHECKING:
     from meshnet.entry.pipeline import Pipeline
     from meshnet.entry.session import PipelineSession
 
 log = logging.getLogger(__name__)
-Queue = asyncio.Queue[Chunk | None]  # None: no more chunks
+Queue = asyncio.Queue[TensorChunk | None]  # None: no more chunks
 
 
 async def pipelined(pipeline: Pipeline, session: PipelineSession, ids: list[int]) -> torch.Tensor:
@@ -41,7 +42,7 @@ async def pipelined(pipeline: Pipeline, session: PipelineSession, ids: list[int]
     hop; the last hop's output for the last chunk, [1, tokens, H]."""
     before = [len(pieces) for pieces in session.inputs]  # records as this feed found them
     queues: list[Queue] = [asyncio.Queue() for _ in range(len(session.hops) + 1)]
-    chunks: list[Chunk] = []  # the entry's outputs, kept for the sequential retry
+    chunks: list[TensorChunk] = []  # the entry's outputs, kept for the sequential retry
     local = asyncio.ensure_future(_local(pipeline, session, ids, queues[0], chunks))
     stages = [
         asyncio.ensure_future(_stage(pipeline, session, k, queues[k], queues[k + 1]))
@@ -59,7 +60,7 @@ async def pipelined(pipeline: Pipeline, session: PipelineSession, ids: list[int]
         for task in (local, *stages):
             task.cancel()
         raise
-    last: Chunk | None = None
+    last: TensorChunk | None = None
     while (chunk := queues[-1].get_nowait()) is not None:
         last = chunk
     if last is None:
@@ -75,7 +76,7 @@ async def _local(
     session: PipelineSession,
     ids: list[int],
     out: Queue,
-    kept: list[Chunk],
+    kept: list[TensorChunk],
 ) -> None:
     """The entry's span over `ids` in pieces of `prefill_piece_tokens`, each piece's wire chunks
     queued for the first hop as soon as it is done (one compute-thread job a piece, so other
@@ -109,7 +110,7 @@ async def _stage(
 async def _again(
     pipeline: Pipeline,
     session: PipelineSession,
-    chunks: list[Chunk],
+    chunks: list[TensorChunk],
     before: list[int],
     error: HopError,
 ) -> torch.Tensor:

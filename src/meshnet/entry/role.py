@@ -20,6 +20,7 @@ import torch
 from meshnet.config import EntryConfig, NodeConfig
 from meshnet.entry.drafter import Drafter, LookupDrafter, ModelDrafter
 from meshnet.entry.generation import Generator
+from meshnet.entry.ggml_head import GgmlHeadModule
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.spotcheck import Bans, SpotChecker
@@ -30,14 +31,12 @@ from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.products import int8_kernel_runs
 from meshnet.models.quantize import default_quant, head_dtype
-from meshnet.models.shard import Shard
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
 from meshnet.node.compute import compute_threads
-from meshnet.node.ggml_runner import GgmlHeadModule
 from meshnet.node.runner import ShardRunner
+from meshnet.node.span_runner import Span, SpanRunner
 from meshnet.node.startup import load_runner, node_layer_bytes, node_quant
-from meshnet.node.torch_runner import TorchShardRunner
 from meshnet.text.codec import HfCodec
 from meshnet.types import LayerSpan
 
@@ -49,7 +48,7 @@ class EntryModel:
     """What an entry node holds for one model besides the routes."""
 
     model_id: str
-    runner: TorchShardRunner  # layers [0, k)
+    runner: SpanRunner  # layers [0, k)
     head: object  # models.shard.Head
     codec: HfCodec
     num_layers: int
@@ -93,7 +92,7 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
     return config.budget_bytes
 
 
-def int8_head(shard: Shard) -> bool:
+def int8_head(shard: Span) -> bool:
     """Whether an entry beside `shard` multiplies by an int8 LM head (ADR-0046): int8 weights
     on a device with the weight-only int8 kernel."""
     return shard.quant == "int8" and int8_kernel_runs(torch.device(shard.device))
@@ -108,7 +107,7 @@ def load_entry_model(config: NodeConfig, model_id: str, source: str, span: Layer
     else:
         head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
     if int8_head(runner.shard):
-        head.quantize_lm_head(runner.shard.compute_dtype)
+        head.quantize_lm_head(runner.shard.compute_dtype)  # type: ignore[attr-defined]
     codec = HfCodec(load_tokenizer(resolved))
     log.info("entry for %s: layers %s and the head loaded", model_id, span)
     spec = resolved.spec

@@ -32,6 +32,7 @@ from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING, LAYERS
 from meshnet.wire.links import LinkRates, hold_s
 from meshnet.wire.route import PushRoute, Reply
+from meshnet.wire.tensors import as_tensor
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class HttpTransport:
                 waiting, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if waiter.done():
-                return waiter.result()
+                return as_tensor(waiter.result())  # posted bf16 bits, as a tensor
             if post in done:
                 post.result()  # raises the failure the chain passed back
                 raise HopError(f"hop {hops[-1]} never posted its output", status=None, hop=hops[-1])

@@ -14,7 +14,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import TypeVar
 
-import torch
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -45,8 +44,9 @@ from meshnet.security.ownership import PROOF, check_close, check_frame
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import SessionId, is_valid_id
-from meshnet.wire import FrameMeta, compression, decode, encode, require_finite
+from meshnet.wire import FrameMeta, compression, decode_bits, encode, require_finite
 from meshnet.wire import headers as h
+from meshnet.wire.frame import Hidden
 from meshnet.wire.links import LinkRates, hold_header
 from meshnet.wire.route import budget_ms, parse_route
 
@@ -147,7 +147,7 @@ class NodeService:
         started = time.perf_counter()
         body = await read_body(request, self.limits.max_body_bytes)
         received = time.perf_counter()  # answers say how long we held the frame (ADR-0037)
-        meta, hidden = decode(request.headers, body, self.limits)
+        meta, hidden = decode_bits(request.headers, body, self.limits)  # bf16 bits
         encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
         self.metrics.bytes_received.labels(encoding).inc(len(body))
         proof = request.headers.get(PROOF)
@@ -173,7 +173,7 @@ class NodeService:
         headers = encoded.headers | hold_header(received, time.perf_counter())
         return Response(bytes(encoded.body), headers=headers, media_type=h.OCTET_STREAM)
 
-    async def _run(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+    async def _run(self, meta: FrameMeta, hidden: Hidden) -> Hidden:
         runner = self.shards.get(meta.model, meta.span)
         if meta.position == 0 or meta.fork is not None:  # a new session, unless replayed
             self.admit_session(meta.session)
@@ -186,21 +186,19 @@ class NodeService:
         """`POST /push`: the last hop of a pushed step posts its output here (the entry)."""
         body = await read_body(request, self.limits.max_body_bytes)
         received = time.perf_counter()
-        meta, hidden = decode(request.headers, body, self.limits)
+        meta, hidden = decode_bits(request.headers, body, self.limits)
         require_finite(hidden)
         self.inbox.deliver(meta, hidden)
         held = hold_header(received, time.perf_counter())
         return JSONResponse({"received": meta.position}, headers=held)
 
-    async def run_frame(
-        self, runner: ShardRunner, meta: FrameMeta, hidden: torch.Tensor
-    ) -> torch.Tensor:
+    async def run_frame(self, runner: ShardRunner, meta: FrameMeta, hidden: Hidden) -> Hidden:
         """One frame through `runner`, in one pass with the runner's other frames of the
         round (decode steps and prefill chunks of other sessions; ADR-0027). A frame of
         several rows runs alone."""
         tokens = hidden.shape[0] * hidden.shape[1]
         key = ("frames", id(runner)) if hidden.shape[0] == 1 else None
-        out: torch.Tensor = await self.scheduler.submit(
+        out: Hidden = await self.scheduler.submit(
             key, runner.forward_many, (meta, hidden), tokens, meta.session, self.batch_wait_s
         )
         return out

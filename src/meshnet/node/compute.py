@@ -1,5 +1,6 @@
 """Where a process runs its model work: one compute thread with every core, and an event
-loop thread that runs torch single-threaded.
+loop thread that runs torch single-threaded (in a process that loads torch at all: a node
+whose spans are all ggml does not, ADR-0052).
 
 libgomp (PyTorch's OpenMP on Linux) keeps one thread team per thread that enters a parallel
 region. Once a process holds more OpenMP threads than CPUs, libgomp stops spin-waiting and
@@ -16,14 +17,13 @@ import fcntl
 import logging
 import os
 import queue
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
-
-import torch
 
 from meshnet.types import device_kind
 
@@ -40,13 +40,18 @@ def compute_threads() -> int:
 def pin_loop_thread() -> None:
     """Make torch ops on the calling thread single-threaded, for good: torch reads the
     thread's OpenMP setting once, at its first op (here), so later calls that raise the
-    process-wide count (the compute thread's) do not reach this thread."""
+    process-wide count (the compute thread's) do not reach this thread. Loads torch: only
+    for a process that computes with it."""
+    import torch
+
     torch.set_num_threads(1)
     torch.get_num_threads()  # fixes this thread's OpenMP team size at 1 now
 
 
 def _init_compute_thread() -> None:
-    torch.set_num_threads(compute_threads())
+    torch = sys.modules.get("torch")  # loaded by `pin_loop_thread` where torch computes
+    if torch is not None:
+        torch.set_num_threads(compute_threads())
 
 
 def compute_executor() -> ThreadPoolExecutor:

@@ -1,23 +1,25 @@
-"""A ggml span behind the runner seam: `GgmlShard` gives a `GgmlSpan` the torch `Shard`'s
-surface (bf16 tensors [1, T, H] in and out), so `TorchShardRunner` keeps its sessions, rewinds,
-forks and batching the same for both backends (ADR-0051)."""
+"""A ggml span behind the runner seam (ADR-0051): `GgmlShard` gives a `GgmlSpan` the `Span`
+surface `SpanRunner` drives (sessions, rewinds, forks and batching as for torch spans).
+
+Torch-free (ADR-0052): a frame's bf16 bits are widened to float32 rows with numpy and the
+output rounded back to bits. Only an entry hands in torch tensors (its own span's input);
+those get tensors back.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from meshnet.errors import WireError
 from meshnet.models.ggml_cache import PoolCache
-from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.ggml_span import GgmlSpan
-from meshnet.node.torch_runner import CacheOps, TorchShardRunner
+from meshnet.node.span_runner import CacheOps, SpanRunner
 from meshnet.types import LayerSpan, ModelId
 from meshnet.wire import headers as h
+from meshnet.wire.frame import Hidden, bf16_bits, bits_to_float32
 
 
 class GgmlShard:
@@ -26,7 +28,6 @@ class GgmlShard:
     batches = True
     device = "cpu"
     quant = "gguf"
-    compute_dtype = torch.float32  # ggml's activations between ops
     fast = None
 
     def __init__(self, span: GgmlSpan) -> None:
@@ -34,16 +35,16 @@ class GgmlShard:
         self.span: LayerSpan = span.span
         self.config = span.config
 
-    def forward(self, hidden: torch.Tensor, cache: PoolCache, position: int) -> torch.Tensor:
+    def forward(self, hidden: Hidden, cache: PoolCache, position: int) -> Hidden:
         """`hidden` [1, T, H] at `position` -> [1, T, H] bf16."""
         return self.forward_many([hidden], [cache], [position])[0]
 
     def forward_many(
-        self, hiddens: Sequence[torch.Tensor], caches: Sequence[PoolCache], positions: Sequence[int]
-    ) -> list[torch.Tensor]:
+        self, hiddens: Sequence[Hidden], caches: Sequence[PoolCache], positions: Sequence[int]
+    ) -> list[Hidden]:
         rows = [_rows(hidden) for hidden in hiddens]
         outs = self.ggml.forward_many(rows, caches, positions)
-        return [torch.from_numpy(out).to(torch.bfloat16)[None] for out in outs]
+        return [_like(hidden, out) for hidden, out in zip(hiddens, outs, strict=True)]
 
     def weight_bytes(self) -> int:
         return self.ggml.weight_bytes
@@ -58,35 +59,26 @@ class GgmlShard:
         )
 
 
-@dataclass(frozen=True)
-class Vocabulary:
-    num_embeddings: int
-
-
-class GgmlHeadModule:
-    """A `GgmlHead` with the torch `Head`'s surface: ids [B, T] in, hidden states
-    [B, T, H] float32 out; logits [B, T, V] float32 in host memory."""
-
-    int8_head = None
-
-    def __init__(self, head: GgmlHead) -> None:
-        self.ggml = head
-        self.embed = Vocabulary(head.vocab)
-
-    def embed_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        out = self.ggml.embed(ids.reshape(-1).numpy())
-        return torch.from_numpy(out).reshape(*ids.shape, -1)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1]).float().numpy()
-        return torch.from_numpy(self.ggml.logits(rows)).reshape(*hidden.shape[:-1], -1)
-
-
-def _rows(hidden: torch.Tensor) -> np.ndarray:
-    """[1, T, H] -> float32 [T, H]; a ggml span runs one sequence a frame."""
+def _rows(hidden: Hidden) -> np.ndarray:
+    """[1, T, H] (bits, floats or a tensor) -> float32 [T, H]; a ggml span runs one sequence
+    a frame."""
     if hidden.shape[0] != 1:
         raise WireError(f"a ggml span runs frames of batch 1, not {hidden.shape[0]}", field=h.SHAPE)
-    return hidden[0].float().numpy()
+    if not isinstance(hidden, np.ndarray):  # a tensor, from an entry's own pipeline
+        return hidden[0].float().numpy()
+    if hidden.dtype == np.uint16:
+        return bits_to_float32(hidden[0])
+    return np.ascontiguousarray(hidden[0], dtype=np.float32)
+
+
+def _like(hidden: Hidden, out: np.ndarray) -> Hidden:
+    """float32 [T, H] -> [1, T, H] bf16: bits for an array, a tensor for a tensor."""
+    bits = bf16_bits(out)[None]
+    if isinstance(hidden, np.ndarray):
+        return bits
+    from meshnet.wire.tensors import bits_tensor  # torch is loaded: a tensor came in
+
+    return bits_tensor(bits)
 
 
 def ggml_runner(
@@ -98,11 +90,11 @@ def ggml_runner(
     ttl_s: float,
     max_cache_bytes: int,
     evict_idle_s: float,
-) -> TorchShardRunner:
+) -> SpanRunner:
     shard = GgmlShard(GgmlSpan(path, span, threads))
-    return TorchShardRunner(
+    return SpanRunner(
         model,
-        shard,  # type: ignore[arg-type]  # the Shard surface the runner uses
+        shard,
         ttl_s=ttl_s,
         max_cache_bytes=max_cache_bytes,
         evict_idle_s=evict_idle_s,

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import aiohttp
-import torch
 
 from meshnet.config import WireConfig
 from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError
@@ -36,6 +35,7 @@ from meshnet.security.signing import Signer
 from meshnet.security.swarm import route_proof
 from meshnet.types import Hop, LayerSpan, SessionId
 from meshnet.wire import FrameMeta, encode
+from meshnet.wire.frame import Hidden
 from meshnet.wire.links import LinkRates, hold_s
 from meshnet.wire.route import ROUTE, ROUTE_PROOF, PushRoute, route_text
 
@@ -124,7 +124,7 @@ class Forwarder:
         self,
         route: PushRoute,
         meta: FrameMeta,
-        out: torch.Tensor,
+        out: Hidden,
         budget_ms: int,
         since: float,
         session_proof: str | None,
@@ -158,7 +158,7 @@ class Forwarder:
         target: Hop,
         path: str,
         meta: FrameMeta,
-        out: torch.Tensor,
+        out: Hidden,
         extra: dict[str, str],
         timeout_s: float,
     ) -> None:
@@ -239,20 +239,20 @@ class Inbox:
     def __init__(self) -> None:
         # (session, position) -> (future output, the last hop's layers, the shape expected)
         self._waiting: dict[
-            tuple[SessionId, int], tuple[asyncio.Future[torch.Tensor], LayerSpan, tuple[int, ...]]
+            tuple[SessionId, int], tuple[asyncio.Future[Hidden], LayerSpan, tuple[int, ...]]
         ] = {}
 
     def expect(
         self, session: SessionId, position: int, span: LayerSpan, shape: tuple[int, ...]
-    ) -> asyncio.Future[torch.Tensor]:
-        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+    ) -> asyncio.Future[Hidden]:
+        future: asyncio.Future[Hidden] = asyncio.get_running_loop().create_future()
         self._waiting[(session, position)] = (future, span, shape)
         return future
 
     def cancel(self, session: SessionId, position: int) -> None:
         self._waiting.pop((session, position), None)
 
-    def deliver(self, meta: FrameMeta, hidden: torch.Tensor) -> None:
+    def deliver(self, meta: FrameMeta, hidden: Hidden) -> None:
         """Hand a posted frame to the step waiting for it; 409 when none waits, 400 when it
         is not the frame that step waits for."""
         waiting = self._waiting.get((meta.session, meta.position))

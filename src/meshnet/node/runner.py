@@ -6,16 +6,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
 from meshnet.errors import SessionError, SessionNotFoundError
 from meshnet.node.scheduler import Failed
 from meshnet.node.sessions import rewinds
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
 from meshnet.wire import headers as h
+from meshnet.wire.frame import Hidden
 
-Frame = tuple[FrameMeta, torch.Tensor]  # a decoded frame: its metadata, hidden [B, T, H]
+Frame = tuple[FrameMeta, Hidden]  # a decoded frame: its metadata, hidden [B, T, H]
 
 
 class ShardRunner(Protocol):
@@ -24,11 +23,12 @@ class ShardRunner(Protocol):
     model: ModelId
     span: LayerSpan
 
-    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden` [batch, tokens, hidden] bf16 at `meta.position` -> same shape, bf16."""
+    def forward(self, meta: FrameMeta, hidden: Hidden) -> Hidden:
+        """`hidden` [batch, tokens, hidden] at `meta.position` -> same shape, bf16: a torch
+        tensor for a tensor, bf16 bits (`wire.frame`) or a tensor for a numpy array."""
         ...
 
-    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+    def forward_many(self, frames: list[Frame]) -> list[Hidden | Failed]:
         """Single-token frames of different sessions as one batch (`forward`'s contract for
         each); a frame that is refused or fails gets its `Failed` and changes nothing."""
         ...
@@ -57,7 +57,7 @@ class EchoRunner:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[SessionId, tuple[int, ChunkState | None]] = OrderedDict()
 
-    def forward(self, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, meta: FrameMeta, hidden: Hidden) -> Hidden:
         length, chunks = self._sessions.get(meta.session) or self._start(meta)
         if length and rewinds(meta, length):
             length = meta.position  # rejected drafts dropped (ADR-0038)
@@ -85,7 +85,7 @@ class EchoRunner:
             )
         return meta.position, None
 
-    def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
+    def forward_many(self, frames: list[Frame]) -> list[Hidden | Failed]:
         return one_by_one(self.forward, frames)
 
     def drop(self, session: SessionId) -> bool:
@@ -99,10 +99,10 @@ class EchoRunner:
 
 
 def one_by_one(
-    forward: Callable[[FrameMeta, torch.Tensor], torch.Tensor], frames: list[Frame]
-) -> list[torch.Tensor | Failed]:
+    forward: Callable[[FrameMeta, Hidden], Hidden], frames: list[Frame]
+) -> list[Hidden | Failed]:
     """`forward_many` for a runner that cannot batch: each frame alone, failing alone."""
-    results: list[torch.Tensor | Failed] = []
+    results: list[Hidden | Failed] = []
     for meta, hidden in frames:
         try:
             results.append(forward(meta, hidden))

@@ -1,9 +1,14 @@
-"""What a node process needs before it serves: its span loader, its budget, its registration."""
+"""What a node process needs before it serves: its span loader, its budget, its registration.
+
+Torch is imported only on the way to a torch span: a node whose spans are all ggml never
+loads it (ADR-0052).
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -12,18 +17,20 @@ from meshnet.models import ggml_graphs
 from meshnet.models.backend import Chosen, choose_backend
 from meshnet.models.device import budget_bytes, measure_throughput, resolve_device
 from meshnet.models.gguf_file import gguf_fields
-from meshnet.models.loader import load_shard
-from meshnet.models.quantize import default_quant, local_layer_bytes
 from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
 from meshnet.node.agent import node_id
 from meshnet.node.compute import compute_threads
-from meshnet.node.torch_runner import TorchShardRunner
+from meshnet.node.span_runner import SpanRunner
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
 from meshnet.security.tls import client_context
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, ModelId, Quant
+
+if TYPE_CHECKING:
+    from meshnet.node.app import NodeService
+    from meshnet.node.runner import ShardRunner
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ def node_quant(config: NodeConfig) -> Quant:
     """The weight format this node registers: gguf where ggml computes."""
     if node_backend(config, config.model) == "ggml":
         return "gguf"
+    from meshnet.models.quantize import default_quant
+
     return config.quant or default_quant(resolve_device(config.device))
 
 
@@ -55,13 +64,13 @@ def node_layer_bytes(config: NodeConfig) -> int:
     source = resolve(config.model)
     if node_backend(config, config.model) == "ggml":
         return file_layer_bytes(source.path)
+    from meshnet.models.quantize import default_quant, local_layer_bytes
+
     device = resolve_device(config.device)
     return local_layer_bytes(source.spec, config.quant or default_quant(device), device)
 
 
-def load_runner(
-    config: NodeConfig, model_id: str, source: str, span: LayerSpan
-) -> TorchShardRunner:
+def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan) -> SpanRunner:
     """Layers `span` of `source` on `config.device` (resolved), behind the runner seam."""
     if node_backend(config, source) == "ggml":
         from meshnet.node.ggml_runner import ggml_runner
@@ -76,6 +85,9 @@ def load_runner(
             max_cache_bytes=config.max_cache_bytes,
             evict_idle_s=config.evict_idle_s,
         )
+    from meshnet.models.loader import load_shard
+    from meshnet.node.torch_runner import TorchShardRunner
+
     shard = load_shard(
         resolve(source),
         span,
@@ -91,6 +103,24 @@ def load_runner(
         max_cache_bytes=config.max_cache_bytes,
         evict_idle_s=config.evict_idle_s,
     )
+
+
+class SpanRole:
+    """What a `--no-entry` node does with the spans it loads: serves them, nothing more (no
+    head, no API; the agent's `load`/`attach`/`detach`, as `entry.role.EntryRole` has)."""
+
+    def __init__(self, config: NodeConfig, service: NodeService) -> None:
+        self.node = config
+        self.service = service
+
+    def load(self, model_id: str, source: str, span: LayerSpan) -> SpanRunner:
+        return load_runner(self.node, model_id, source, span)
+
+    def attach(self, runner: ShardRunner) -> None:
+        """Nothing to attach: the span serves `/forward` once in the shard table."""
+
+    def detach(self, model_id: str, span: LayerSpan) -> None:
+        """Nothing to detach."""
 
 
 def data_dir(config: NodeConfig) -> Path:

@@ -8,30 +8,40 @@ each incoming chunk against what it saw earlier in the same session with `next_c
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import Any, Generic, Protocol, TypeVar
 
 from meshnet.errors import WireError
 from meshnet.wire import headers as h
 
 
+class Sliceable(Protocol):
+    """Activations `[batch, tokens, hidden]`: bf16 bits (numpy) or a torch tensor."""
+
+    @property
+    def shape(self) -> Any: ...
+
+    def __getitem__(self, key: Any) -> Any: ...
+
+
+H = TypeVar("H", bound=Sliceable)
+
+
 @dataclass(frozen=True)
-class Chunk:
+class Chunk(Generic[H]):
     """One slice of a prefill: tokens `[position, position + hidden.shape[1])`."""
 
-    hidden: torch.Tensor  # [1, tokens, hidden], a view into the prompt's tensor
+    hidden: H  # [1, tokens, hidden], a view into the prompt's tensor
     position: int
     index: int
     total: int
 
 
-def split_prefill(
-    hidden: torch.Tensor, start_position: int, chunk_tokens: int = 128
-) -> list[Chunk]:
+def split_prefill(hidden: H, start_position: int, chunk_tokens: int = 128) -> list[Chunk[H]]:
     """Split `[batch, T, H]` into chunks of at most `chunk_tokens` tokens (views, no copies)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    pieces = torch.split(hidden, chunk_tokens, dim=1)
+    starts = range(0, max(1, hidden.shape[1]), chunk_tokens)
+    pieces = [hidden[:, at : at + chunk_tokens] for at in starts]
     return [
         Chunk(piece, start_position + i * chunk_tokens, i, len(pieces))
         for i, piece in enumerate(pieces)
