@@ -53,6 +53,7 @@ from meshnet.types import LayerSpan
 from pipeline import DATA, free_port, median_s, wait_routable  # benchmarks/pipeline.py
 
 Row = dict[str, Any]  # tok/s figures, and `rss_mib`: each process's peak
+MiB = 1 << 20
 LLAMA = """
 import json, sys, time, statistics
 from llama_cpp import Llama
@@ -163,6 +164,7 @@ def mesh_row(quant: str, short: list[int], long: list[int], n: int, r: int, logs
     budget = int(10.5 * per_layer / 0.9)
     commands = [["tracker", "--port", str(port), "--layers", "0:10"]] + [
         ["node", "--tracker", url, "--port", str(free_port()), "--budget", str(budget)]
+        + ["--no-entry"]  # spans alone: with gguf, a node that never loads torch (ADR-0052)
         for _ in range(2)
     ]
     env = {"MESHNET_SWARM_KEY": "b" * 64, "PATH": "/usr/bin:/bin"}
@@ -200,7 +202,10 @@ def mesh_row(quant: str, short: list[int], long: list[int], n: int, r: int, logs
         tokenizer = load_tokenizer(resolve("default"))
         ids_text = {tuple(p): tokenizer.decode(p) for p in (short, long)}
         row = timed(run, short, long, n, r)
-        return {**row, "rss_mib": [peak_rss_mib(p.pid) for p in procs]}
+        rss = [peak_rss_mib(p.pid) for p in procs]
+        kv = 10 * kv_bytes_per_layer_token(source.spec) * (len(long) + n)
+        bound = 1.2 * 10 * per_layer + kv + 100 * MiB  # #46's target for each node's 10 layers
+        return {**row, "rss_mib": rss, "node_bound_mib": round(bound / MiB)}
     finally:
         for p in procs:
             p.terminate()
@@ -251,6 +256,22 @@ def llama_bench_row(folder: Path, short: int, long: int, n: int, r: int, rpc: bo
             server.wait(timeout=30)
     speed = {(x["n_prompt"], x["n_gen"]): x["avg_ts"] for x in results}
     return {"decode_tok_s": speed[(0, n)], "prefill_tok_s": speed[(long, 0)], "rss_mib": rss}
+
+
+def kv_bytes_per_layer_token(spec: Any) -> int:
+    """A layer's F16 keys and values for one token (what a ggml node's cache holds)."""
+    return 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def memory_lines(rows: dict[str, Row]) -> list[str]:
+    """Each 3-hop row's nodes against their bound: 1.2x their layers' file bytes, their KV
+    cache at the longest prompt, and 100 MiB."""
+    lines = []
+    for name, row in rows.items():
+        if "node_bound_mib" in row:
+            nodes = ", ".join(f"{m} MiB" for m in row["rss_mib"][1:])
+            lines.append(f"{name}: nodes' peak RSS {nodes}; bound {row['node_bound_mib']} MiB")
+    return lines
 
 
 def table(rows: dict[str, Row], base: str) -> str:
@@ -323,6 +344,7 @@ def main() -> None:
     base = next(iter(rows))
     print(f"greedy, {n} tokens after {len(short)}; prefill of {len(long)}; medians of {r}\n")
     print(table(rows, base))
+    print("\n".join(memory_lines(rows)))
 
 
 if __name__ == "__main__":
