@@ -59,7 +59,7 @@ def mesh(setup: str, quant: str, extra: list[str], logs: Path) -> Iterator[str]:
     for _ in spans[1:]:  # the tracker's planner gives each node the next ten layers
         budget = math.floor(10.5 * per_layer / 0.9)  # ten layers and the 10% KV reserve
         commands.append(["node", "--tracker", url, "--port", str(free_port())])
-        commands[-1] += ["--budget", str(budget)]
+        commands[-1] += ["--budget", str(budget), "--no-entry"]  # spans alone (ADR-0052)
     env = {**os.environ, "MESHNET_SWARM_KEY": secrets.token_hex(32)}
     procs = [
         subprocess.Popen(
