@@ -20,7 +20,8 @@ import torch
 from meshnet.config import WireConfig
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, tensor_bytes
-from meshnet.wire.frame import payload_to_tensor
+from meshnet.wire.frame import payload_bits
+from meshnet.wire.tensors import bits_tensor
 
 ENCODINGS = ["none", "zstd", "zstd-shuffle"]
 META = FrameMeta(SessionId("bench"), ModelId("default"), LayerSpan(0, 10), 0)
@@ -97,7 +98,7 @@ def payload_rates(x: torch.Tensor, repeat: int) -> tuple[float, float]:
     raw = len(tensor_bytes(x))
     body = bytes(tensor_bytes(x))
     enc_s = median_seconds(lambda: tensor_bytes(x), repeat)
-    dec_s = median_seconds(lambda: payload_to_tensor(body, tuple(x.shape)), repeat)
+    dec_s = median_seconds(lambda: bits_tensor(payload_bits(body, tuple(x.shape))), repeat)
     return raw / enc_s / 1e6, raw / dec_s / 1e6
 
 

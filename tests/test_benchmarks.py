@@ -249,3 +249,11 @@ def test_grammar_benchmark_prints_the_cost_of_a_mask() -> None:
     rows = [line.split("|") for line in run_tiny("grammar.py").splitlines()]
     rows = [row for row in rows if len(row) == 7 and row[2].strip().isdigit()]
     assert len(rows) == 3 and all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_neighbour_benchmark_prints_idle_and_busy_columns() -> None:
+    out = run_tiny("neighbour.py", 300)
+    row = next(line for line in out.splitlines() if line.startswith("| ggml, threads auto"))
+    cells = row.split("|")[2:4]  # 0 and 1 busy neighbours
+    assert len(cells) == 2 and all(float(c.split()[0]) > 0 for c in cells), row

@@ -59,6 +59,8 @@ class NodeConfig:
     fast_path: bool = True  # the architecture's fast decode path where it applies (ADR-0021)
     compile: bool = True  # compile the fast path's decode step where allowed (ADR-0023)
     host_turns: bool = True  # on a CPU, take compute turns with co-located nodes (ADR-0026)
+    # compute threads: None follows the cores other processes leave free (ADR-0053)
+    threads: int | None = None
     max_batch: int = 32  # frames of different sessions run as one pass, up to this many
     max_batch_tokens: int = 512  # prefill tokens of one pass, at most (the oldest chunk goes)
     # a decode round waits this long at most for the sessions of the last one: they arrive

@@ -98,7 +98,7 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
     member(
         url,
         "/v1/nodes/heartbeat",
-        {"node_id": "entry", "requests": [SUMMARY]}
+        {"node_id": "entry", "requests": [SUMMARY], "threads": 3}
         | {"loaded": [{"model": "m", "span": {"start": 0, "end": 10}}]},
     )
     with chromium() as page:
@@ -123,10 +123,14 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
             ".map(r => [r.dataset.node, r.dataset.state, r.cells.length])",
         )
         assert sorted(states) == [
-            ["entry", "ready", 9],
-            ["fresh", "loading", 9],
-            ["late", "late", 9],
+            ["entry", "ready", 10],  # the threads column too (ADR-0053)
+            ["fresh", "loading", 10],
+            ["late", "late", 10],
         ]
+        threads = page_value(  # the compute threads its heartbeat said (ADR-0053)
+            page, "document.querySelector('#nodes tr[data-node=entry]').cells[7].textContent"
+        )
+        assert threads == "3"
         cells = page_value(
             page,
             "[...document.querySelectorAll('.map .cell[data-node]')]"

@@ -37,7 +37,7 @@ from meshnet.models.device import resolve_device
 from meshnet.models.source import resolve
 from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
-from meshnet.node.compute import host_turns, pin_loop_thread
+from meshnet.node.compute import compute_threads, host_turns, pin_loop_thread
 from meshnet.node.directory import tracker_directory
 from meshnet.node.startup import (
     SpanRole,
@@ -46,6 +46,7 @@ from meshnet.node.startup import (
     registration,
     tracker_client,
 )
+from meshnet.node.threads import ComputeThreads
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
 from meshnet.security.signing import Signer
@@ -117,6 +118,7 @@ def node_service(
         swarm_key=SwarmKey.from_text(access.swarm_key) if access.swarm_key else None,
         signer=Signer(access.swarm_key),  # pushed frames go on signed (ADR-0034)
         tls=client_context(access.tls),
+        threads=ComputeThreads(compute_threads(), config.threads),
     )
 
 

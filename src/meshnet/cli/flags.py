@@ -56,6 +56,15 @@ def parse_device_flag(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_threads(text: str) -> int | None:
+    """`auto` -> None (follow the free cores); `2` -> 2."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number from 1, got {text!r}")
+    return int(text)
+
+
 def parse_draft_tokens(text: str) -> int:
     """`8` -> 8; a rewind drops at most 64 tokens, the last accepted one and 63 drafts."""
     if not text.strip().isdigit() or not 1 <= int(text) <= 63:

@@ -9,7 +9,13 @@ import socket
 from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
-from meshnet.cli.flags import parse_bytes, parse_device_flag, parse_draft_tokens, parse_fraction
+from meshnet.cli.flags import (
+    parse_bytes,
+    parse_device_flag,
+    parse_draft_tokens,
+    parse_fraction,
+    parse_threads,
+)
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
 from meshnet.types import BACKENDS, QUANTS
@@ -212,6 +218,14 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "compressed (default %(default)s)",
     )
     group.add_argument(
+        "--threads",
+        type=parse_threads,
+        default=None,
+        metavar="N|auto",
+        help="compute threads: auto (default) follows the cores other processes leave free; "
+        "N pins them",
+    )
+    group.add_argument(
         "--max-batch",
         type=int,
         default=default.max_batch,
@@ -296,6 +310,7 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "fast_path": args.fast_path,
         "compile": args.compile,
         "host_turns": args.host_turns,
+        "threads": args.threads,
         "max_batch": args.max_batch,
         "wire_encoding": args.wire_encoding,
         "auto_compress_below_mbit_s": args.auto_compress_below,

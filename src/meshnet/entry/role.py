@@ -103,7 +103,7 @@ def load_entry_model(config: NodeConfig, model_id: str, source: str, span: Layer
     runner = load_runner(config, model_id, source, span)
     resolved = resolve(source)
     if runner.shard.quant == "gguf":  # the file's own table and LM head, computed by ggml
-        head: Any = GgmlHeadModule(GgmlHead(resolved.path, compute_threads()))
+        head: Any = GgmlHeadModule(GgmlHead(resolved.path, config.threads or compute_threads()))
     else:
         head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
     if int8_head(runner.shard):

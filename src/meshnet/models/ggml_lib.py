@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - ggml-python is installed by ./r
 
 __all__ = [
     "F16", "F32", "I32", "I64", "PAD", "Builder", "Graph", "RoundValues", "Tensor", "gg",
-    "padded", "tensor_bytes",
+    "padded", "set_all_threads", "tensor_bytes",
 ]  # fmt: skip
 
 Tensor = Any  # a ctypes pointer to a ggml_tensor
@@ -150,17 +151,32 @@ class Builder:
         gg.ggml_free(self.ctx)
 
 
+_GRAPHS: weakref.WeakSet[Graph] = weakref.WeakSet()  # every live graph of this process
+_chosen: list[int] = []  # the process's thread count once `set_all_threads` set one
+
+
+def set_all_threads(threads: int) -> None:
+    """Every graph of this process, and those made later, computes with `threads` threads
+    from its next round (the node's choice, `node/threads.py`)."""
+    _chosen[:] = [threads]
+    for graph in list(_GRAPHS):
+        if graph.backend is not None and graph.threads != threads:
+            graph.set_threads(threads)
+
+
 class Graph:
     """The CPU backend and the graph allocator a span's rounds share."""
 
     def __init__(self, threads: int | None = None) -> None:
         """`threads`: None for the cores this process may use (its affinity): more threads
-        than cores spin at ggml's barriers for a descheduled one (100x slower rounds)."""
+        than cores spin at ggml's barriers for a descheduled one (100x slower rounds). A
+        count the process chose (`set_all_threads`) comes first."""
         self.backend = gg.ggml_backend_cpu_init()
         self.allocator = gg.ggml_gallocr_new(gg.ggml_backend_cpu_buffer_type())
         self.pool = None
         self._kept: tuple[Hashable, Builder] | None = None
-        self.set_threads(threads or len(os.sched_getaffinity(0)))
+        self.set_threads((_chosen or [threads or len(os.sched_getaffinity(0))])[0])
+        _GRAPHS.add(self)
 
     def set_threads(self, threads: int) -> None:
         """Compute with `threads` threads, kept in a pool between rounds (a pool made for

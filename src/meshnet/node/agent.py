@@ -163,6 +163,7 @@ class NodeAgent:
             sessions=self.service.session_count(),
             queue_depth=self.service.scheduler.queue_depth(),
             step_s=round(self.service.scheduler.step_s(), 6),
+            threads=self.service.scheduler.threads.threads,
             requests=finished,
             rtt_ms=self.service.peers.report_ms(),
         )

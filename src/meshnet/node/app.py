@@ -37,6 +37,7 @@ from meshnet.node.push import Forwarder, Inbox
 from meshnet.node.runner import ShardRunner
 from meshnet.node.scheduler import Scheduler
 from meshnet.node.shards import ShardTable
+from meshnet.node.threads import ComputeThreads
 from meshnet.observe.logs import session_context
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard, Rule, rule
@@ -95,11 +96,12 @@ class NodeService:
         max_batch_tokens: int = 512,
         signer: Signer | None = None,
         tls: ssl.SSLContext | None = None,
+        threads: ComputeThreads | None = None,
     ) -> None:
         self.shards = ShardTable(list(runners))
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(
-            turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens
+            turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens, threads
         )
         self.submit = self.scheduler.submit  # batched model work (the pipeline's `Executor`)
         self.finished = Outbox()  # generations this entry finished, for the next heartbeat
@@ -125,6 +127,8 @@ class NodeService:
     def _sample(self) -> None:
         self.metrics.sessions_active.set(self.shards.session_count())
         self.metrics.kv_cache_bytes.set(self.shards.cache_bytes())
+        self.metrics.compute_threads.set(self.scheduler.threads.threads)
+        self.metrics.other_cores_busy.set(round(self.scheduler.threads.others_cores, 3))
         for peer, mbit_s in self.links.report_mbit_s().items():
             self.metrics.link_mbit_s.labels(peer).set(mbit_s)
 

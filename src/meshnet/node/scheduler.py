@@ -22,7 +22,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from meshnet.node.compute import HostTurns, compute_executor
+from meshnet.node.compute import HostTurns, compute_executor, compute_threads
+from meshnet.node.threads import ComputeThreads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -127,8 +128,11 @@ class Scheduler:
         max_batch: int = 32,
         on_decode: Callable[[int], object] = lambda rows: None,
         max_tokens: int = 512,
+        threads: ComputeThreads | None = None,
     ) -> None:
         self.worker = compute_executor()
+        # how many threads a turn computes with (fixed at the cores unless given one that adapts)
+        self.threads = threads or ComputeThreads(compute_threads(), compute_threads())
         self.on_decode = on_decode  # gets the number of decode steps of every call (a metric)
         self.turns = turns or HostTurns()  # compute turns shared with co-located processes
         self.max_batch = max_batch  # jobs of one call
@@ -234,7 +238,8 @@ class Scheduler:
         """Compute thread: one call over the group's items, in this process's turn."""
         context = group[0].context if len(group) == 1 else contextvars.Context()
         try:
-            results = context.run(self.turns.run, group[0].run, [j.item for j in group])
+            items = [j.item for j in group]
+            results: list[Any] = context.run(self.turns.run, self.threads.run, group[0].run, items)
         except Exception as exc:  # the batch as a whole failed: each of its callers gets it
             return [Failed(exc)] * len(group)
         if len(results) != len(group):

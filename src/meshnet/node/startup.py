@@ -80,7 +80,7 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
             ModelId(model_id),
             resolve(source).path,
             span,
-            threads=compute_threads(),
+            threads=config.threads or compute_threads(),
             ttl_s=config.session_ttl_s,
             max_cache_bytes=config.max_cache_bytes,
             evict_idle_s=config.evict_idle_s,

@@ -40,6 +40,16 @@ class Metrics:
         self.sessions_active = Gauge(
             "meshnet_sessions_active", "Sessions holding a KV cache in this process", registry=r
         )
+        self.compute_threads = Gauge(
+            "meshnet_compute_threads",
+            "Threads this process computes with (they follow the cores others leave free)",
+            registry=r,
+        )
+        self.other_cores_busy = Gauge(
+            "meshnet_other_cores_busy",
+            "Cores other processes kept busy while this one computed (last measured window)",
+            registry=r,
+        )
         self.kv_cache_bytes = Gauge(
             "meshnet_kv_cache_bytes", "Bytes held by KV caches in this process", registry=r
         )

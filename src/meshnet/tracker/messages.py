@@ -136,6 +136,7 @@ class HeartbeatRequest(Message):
     sessions: int = Field(ge=0, le=1 << 31, default=0)
     queue_depth: int = Field(ge=0, le=1 << 31, default=0)  # jobs waiting for its compute thread
     step_s: float = Field(ge=0, le=3600, default=0.0, allow_inf_nan=False)  # median decode round
+    threads: int = Field(ge=0, le=4096, default=0)  # compute threads in use (0: not said)
     requests: list[RequestSummary] = Field(default=[], max_length=MAX_REQUESTS)
     # median round trips it measured (ms) to the tracker and to peers it sends frames to
     rtt_ms: dict[PeerName, RttMs] = Field(default={}, max_length=MAX_PEERS)
@@ -185,6 +186,7 @@ class NodeSummary(Message):
     sessions: int
     queue_depth: int = 0
     step_s: float = 0.0
+    threads: int = 0  # compute threads at its last heartbeat (ADR-0053)
     last_heartbeat_age_s: float
     suspect: bool = False  # reported failing by an entry node; out of routes until it beats
     state: NodeState = "ready"

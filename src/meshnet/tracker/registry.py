@@ -54,6 +54,7 @@ class NodeRecord:
     sessions: int = 0
     queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
     step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
+    threads: int = 0  # compute threads it said it uses (0: not said)
     rtt_ms: dict[str, float] = field(default_factory=dict)  # round trips it measured, by peer
     # who reported it failing, until when: out of their routes (or all: `Reports`),
     # heartbeats or not (a node that fails frames may well go on beating)
@@ -202,6 +203,7 @@ class Registry:
             record.failed |= failed
             record.sessions = beat.sessions
             record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
+            record.threads = beat.threads
             record.rtt_ms = dict(beat.rtt_ms)
             self.requests.extend(
                 (record.last_seen_s, NodeId(beat.node_id), r) for r in beat.requests

@@ -128,6 +128,7 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
             sessions=r.sessions,
             queue_depth=r.queue_depth,
             step_s=r.step_s,
+            threads=r.threads,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
             suspect=r.reports.agreed(now),
             state=states[n],

@@ -77,7 +77,8 @@ function nodeRow(node) {
   return el("tr", {"data-node": node.node_id, "data-state": node.state},
     el("td", {}, node.node_id), el("td", {}, node.address), el("td", {}, badge(node.state)),
     el("td", {class: "num"}, bytes(node.budget_bytes)), el("td", {}, node.quant), el("td", {}, spans),
-    el("td", {class: "num"}, node.throughput.toFixed(0)), el("td", {class: "num"}, node.sessions),
+    el("td", {class: "num"}, node.throughput.toFixed(0)),
+    el("td", {class: "num"}, node.threads || "–"), el("td", {class: "num"}, node.sessions),
     el("td", {class: "num"}, ago(node.last_heartbeat_age_s)));
 }
 
