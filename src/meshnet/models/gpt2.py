@@ -81,11 +81,11 @@ class GPT2:
     def build_head(self, config: Any) -> Any:
         from torch import nn
 
-        from meshnet.models.shard import Head
+        from meshnet.models.shard import Head, unset_embedding
 
         return Head(
-            nn.Embedding(config.vocab_size, config.n_embd),
-            nn.Embedding(config.n_positions, config.n_embd),
+            unset_embedding(config.vocab_size, config.n_embd),
+            unset_embedding(config.n_positions, config.n_embd),
             nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             nn.Linear(config.n_embd, config.vocab_size, bias=False),
         )

@@ -188,11 +188,11 @@ class LlamaFamily:
         from torch import nn
 
         from meshnet.models.llama_layers import RMSNorm
-        from meshnet.models.shard import Head
+        from meshnet.models.shard import Head, unset_embedding
 
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         return Head(
-            nn.Embedding(config.vocab_size, config.hidden_size),
+            unset_embedding(config.vocab_size, config.hidden_size),
             None,
             norm,
             nn.Linear(config.hidden_size, config.vocab_size, bias=False),

@@ -57,13 +57,15 @@ def read_state(
     checkpoint: Checkpoint,
     names: dict[str, list[str]],
 ) -> dict[str, torch.Tensor]:
-    """Read every tensor `module` expects, trying each key's candidate names in order."""
-    state = {}
+    """Read every tensor `module` expects, trying each key's candidate names in order; a
+    tensor two keys name (a tied LM head) is read once."""
+    state: dict[str, torch.Tensor] = {}
+    read: dict[str, torch.Tensor] = {}
     for key, expected in module.state_dict().items():
         found = next((n for n in names[key] if checkpoint.has(n)), None)
         if found is None:
             raise ModelError(f"checkpoint has no tensor {names[key][0]!r}")
-        tensor = checkpoint.read(found)
+        tensor = read[found] if found in read else read.setdefault(found, checkpoint.read(found))
         if tuple(tensor.shape) != tuple(expected.shape):
             raise ModelError(
                 f"tensor {found!r} has shape {tuple(tensor.shape)}; the config "

@@ -99,6 +99,14 @@ class Shard:
         return held_bytes(self)
 
 
+def unset_embedding(count: int, width: int) -> nn.Embedding:
+    """A `count` x `width` embedding table whose values are loaded next: no random start.
+
+    Built under `torch.device("meta")`, `nn.Embedding` would draw its start with a reference
+    `normal_` that imports `torch._dynamo` (1.4 s of an entry's start-up on this machine)."""
+    return nn.Embedding(count, width, _weight=torch.empty(count, width))
+
+
 class Head(nn.Module):
     """Embeddings (plus learned positions, for GPT-2), final norm and LM head."""
 
