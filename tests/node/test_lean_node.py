@@ -74,6 +74,19 @@ def test_a_ggml_node_serves_frames_without_torch(lean_node: tuple[str, int]) -> 
     assert rss < 200 * MiB, rss / MiB
 
 
+def test_a_ggml_node_refuses_bad_frames_and_keeps_no_session(lean_node: tuple[str, int]) -> None:
+    url, _ = lean_node
+    node_id = httpx.get(f"{url}/health").json()["node_id"]
+    nan = np.full((1, 2, 576), np.nan, dtype=np.float32)
+    wide = np.zeros((1, 2, 577), dtype=np.float32)
+    with httpx.Client(base_url=url, auth=Signer(KEY).auth(node_id), timeout=60) as client:
+        for hidden, field in ((nan, "body"), (wide, "X-Meshnet-Shape")):
+            frame = encode(hidden, FrameMeta(new_session(), ModelId("default"), SPAN, 0))  # type: ignore[arg-type]
+            answer = client.post("/forward", headers=frame.headers, content=bytes(frame.body))
+            assert answer.status_code == 400 and answer.json()["error"]["field"] == field
+    assert httpx.get(f"{url}/health").json()["sessions"] == 0
+
+
 def reference(prompt: np.ndarray, step: np.ndarray) -> list[np.ndarray]:
     """The same span in this process, on the frames' bf16 values."""
     span = GgmlSpan(resolve("default").path, SPAN, threads=2)
