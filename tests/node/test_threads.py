@@ -128,3 +128,9 @@ def test_the_count_is_on_metrics() -> None:
     service._sample()  # what a scrape runs first
     assert service.metrics.compute_threads._value.get() == 3  # type: ignore[attr-defined]
     assert service.scheduler.threads is threads
+
+
+def test_one_core_leaves_nothing_to_choose_so_nothing_is_measured() -> None:
+    calls: list[int] = []
+    threads = ComputeThreads(1, read=lambda: calls.append(1) or CpuTimes(0, 0))  # type: ignore[func-returns-value]
+    assert threads.run(lambda: 7) == 7 and threads.threads == 1 and calls == []

@@ -96,7 +96,7 @@ class ComputeThreads:
         apply: Callable[[int], None] | None = None,
     ) -> None:
         self.cores = max(1, cores)
-        self.pinned = pinned
+        self.pinned = pinned if pinned is not None or self.cores > 1 else 1  # one core: no choice
         self.choice = Choice(pinned or self.cores)
         self.window_s = window_s
         self.read, self.clock = read, clock
