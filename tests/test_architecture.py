@@ -27,11 +27,14 @@ ALLOWED: dict[str, set[str]] = {
     "security": {*BASE, "http_errors"},
     "text": {"types", "errors"},  # no torch either: see below
     "models": {*BASE, "observe"},
-    "tracker": {*BASE, "http_errors", "observe", "security", "models"},
-    "node": {*BASE, "wire", "http_errors", "observe", "security", "models", "tracker"},
+    "weights": {*BASE, "http_errors", "observe", "security", "models"},
+    "tracker": {*BASE, "http_errors", "observe", "security", "models", "weights"},
+    "node": {*BASE, "wire", "http_errors", "observe", "security", "models", "tracker", "weights"},
     "entry": {*BASE, "wire", "observe", "security", "models", "text", "node", "tracker"},
     "api": {*BASE, "http_errors", "security", "text"},
-    "assemble": {*BASE, "wire", "observe", "security", "models", "api", "entry", "node", "tracker"},
+    "assemble": {
+        *BASE, "wire", "observe", "security", "models", "api", "entry", "node", "tracker", "weights"
+    },
     "terminal": set(),
     "status": {"security", "terminal"},
     "demo": {"models", "observe", "security", "terminal"},

@@ -18,7 +18,10 @@
     ├── AuthError                   no valid swarm-key proof or API key (401)
     ├── SessionOwnerError           a session call its opening entry did not sign (403)
     ├── LimitError                  a configured limit refuses the call for now (429)
-    └── ConfigError                 a configuration meshnet refuses to start with
+    ├── ConfigError                 a configuration meshnet refuses to start with
+    └── WeightsError                weights that cannot be served, fetched or trusted (400)
+        ├── NotHeldError            a model digest or part this member does not hold (404)
+        └── RangeError              bytes outside the part asked for (416)
 
 Apps turn a `MeshError` into a JSON body with `http_status`; that mapping lives here and
 nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "param",
@@ -229,3 +232,22 @@ class ConfigError(MeshError):
     """A configuration meshnet refuses to start with (bad key file, missing key...)."""
 
     http_status = 400
+
+
+class WeightsError(MeshError):
+    """Weights that cannot be served, fetched or trusted: a copy that differs from its
+    model's manifest, a part no holder could give, a cache that cannot take it (ADR-0054)."""
+
+    http_status = 400
+
+
+class NotHeldError(WeightsError):
+    """A weights call names a model digest or a part this member does not hold (404)."""
+
+    http_status = 404
+
+
+class RangeError(WeightsError):
+    """A weights call asks for bytes outside the part it names (416)."""
+
+    http_status = 416

@@ -15,9 +15,9 @@ from meshnet.models import ggml_graphs
 from meshnet.models.ggml_graphs import rms_norm
 from meshnet.models.ggml_lib import F32, I32, Graph, gg
 from meshnet.models.ggml_span import MappedWeights
-from meshnet.models.gguf_file import read_gguf
+from meshnet.models.gguf_file import HEAD_TENSORS, read_gguf
 
-EMBED, NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
+EMBED, NORM, OUTPUT = HEAD_TENSORS
 
 
 class GgmlHead:

@@ -35,6 +35,12 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+# llama.cpp's names for a GGUF's head tensors (every family), and the prefix of layer i's
+HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
+def layer_prefix(index: int) -> str:
+    return f"blk.{index}."
 _PLAIN_DTYPES = {
     0: np.float32,
     1: np.float16,
@@ -52,6 +58,11 @@ class GgufTensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order (innermost first)
     data: np.ndarray  # a view of the file: elements for plain types, bytes per row if quantized
+    offset: int = 0  # where its bytes start in the file
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ class GgufFile:
     fields: dict[str, Any]  # metadata as plain Python values (arrays as lists)
     tensors: list[GgufTensor]
     mapped: mmap.mmap | None = None  # the read-only map the tensors' data view
+    data_start: int = 0  # where tensor data begin: bytes before it are metadata and index
 
     def release_pages(self) -> None:
         """Drop the file's pages from this process's resident memory (they stay in the page
@@ -189,8 +201,8 @@ def read_gguf(path: Path) -> GgufFile:
                 f"{len(mapped)}"
             )
         data = np.frombuffer(mapped, dtype, count, start + offset).reshape(dims)
-        tensors.append(GgufTensor(name, qtype, shape, data))
-    return GgufFile(fields, tensors, mapped)
+        tensors.append(GgufTensor(name, qtype, shape, data, start + offset))
+    return GgufFile(fields, tensors, mapped, start)
 
 
 def check_readable(path: Path) -> None:

@@ -90,6 +90,17 @@ class Metrics:
             ["peer"],
             registry=r,
         )
+        self.weights_served = Counter(
+            "meshnet_weights_served_bytes",
+            "Weight bytes this process served to other members (ADR-0054)",
+            registry=r,
+        )
+        self.weights_fetched = Counter(
+            "meshnet_weights_fetched_bytes",
+            "Checked weight bytes this process fetched, by the member that sent them",
+            ["peer"],
+            registry=r,
+        )
         self.failovers = Counter(
             "meshnet_failovers", "Hops replaced mid-session by this entry node", registry=r
         )

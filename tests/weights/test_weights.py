@@ -1,0 +1,292 @@
+"""Models known by content, and their parts served and fetched over real HTTP (ADR-0054)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+
+from meshnet.config import AccessConfig
+from meshnet.errors import RangeError, WeightsError
+from meshnet.http_errors import install_error_handlers
+from meshnet.models.gguf_file import read_gguf
+from meshnet.models.source import default_gguf
+from meshnet.security.access import Credentials, Guard
+from meshnet.security.signing import Signer
+from meshnet.types import LayerSpan
+from meshnet.weights.fetch import Fetcher, Holder
+from meshnet.weights.manifest import HEADER, Manifest, make_manifest, parse_manifest, verify
+from meshnet.weights.serve import (
+    MAX_RANGE_BYTES,
+    UploadLimit,
+    WeightServer,
+    add_weight_routes,
+    parse_range,
+    weight_rules,
+)
+from meshnet.weights.store import WeightStore
+from tests.security.test_server import serving
+
+KEY = "weights-test-swarm-key-0123456789abcdef"
+SPAN = LayerSpan(10, 12)
+
+
+@pytest.fixture(scope="module")
+def manifest() -> Manifest:
+    return make_manifest(default_gguf())
+
+
+def flipped_copy(tmp: Path, manifest: Manifest, *names: str) -> Path:
+    """A copy of the default file with one byte of each part `names` flipped."""
+    copy = tmp / "flipped.gguf"
+    shutil.copyfile(default_gguf(), copy)
+    with copy.open("r+b") as f:
+        for name in names:
+            part = manifest.part(name)
+            assert part is not None
+            f.seek(part.offset + part.nbytes // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+    return copy
+
+
+def test_a_manifest_names_every_tensor_and_its_digest_is_its_content(manifest: Manifest) -> None:
+    index = read_gguf(default_gguf())
+    assert [p.name for p in manifest.parts] == [HEADER] + [t.name for t in index.tensors]
+    assert manifest.parts[0].nbytes == index.data_start
+    assert parse_manifest(manifest.canonical(), manifest.digest) == manifest
+    other = manifest.model_copy(update={"file_bytes": manifest.file_bytes + 1})
+    assert other.digest != manifest.digest
+    with pytest.raises(WeightsError, match="digest"):
+        parse_manifest(other.canonical(), manifest.digest)
+    with pytest.raises(WeightsError, match="not a manifest"):
+        parse_manifest(b'{"format": "gguf", "file_bytes": 1, "parts": []}', manifest.digest)
+
+
+def test_a_manifest_whose_part_ends_past_the_file_is_refused(manifest: Manifest) -> None:
+    body = manifest.model_dump()
+    body["file_bytes"] = 10
+    with pytest.raises(ValueError, match="past the file"):
+        Manifest.model_validate(body)
+
+
+def test_a_span_needs_its_layers_and_an_entry_span_the_head_too(manifest: Manifest) -> None:
+    inner = {p.name for p in manifest.span_parts(SPAN, entry=True)}
+    assert inner == {HEADER} | {n for n in _names(manifest) if n.startswith(("blk.10.", "blk.11."))}
+    entry = {p.name for p in manifest.span_parts(LayerSpan(0, 1), entry=True)}
+    assert {"token_embd.weight", "output_norm.weight"} <= entry
+    lean = {p.name for p in manifest.span_parts(LayerSpan(0, 1), entry=False)}
+    assert "token_embd.weight" not in lean and "blk.0.attn_q.weight" in lean
+
+
+def _names(manifest: Manifest) -> list[str]:
+    return [p.name for p in manifest.parts]
+
+
+@pytest.mark.parametrize("name", ["blk.11.ffn_up.weight", HEADER])
+def test_a_local_copy_that_differs_is_refused_with_the_part_named(
+    tmp_path: Path, manifest: Manifest, name: str
+) -> None:
+    copy = flipped_copy(tmp_path, manifest, name)
+    parts = manifest.span_parts(SPAN, entry=False)
+    with pytest.raises(WeightsError, match="header" if name == HEADER else name):
+        verify(copy, manifest, parts)
+    store = WeightStore(tmp_path / "store")
+    with pytest.raises(WeightsError):
+        store.check_local(copy, manifest, parts)
+    assert manifest.digest not in store.files  # nothing of it is served
+
+
+def test_a_checked_span_of_a_local_file_is_not_hashed_again(
+    tmp_path: Path, manifest: Manifest
+) -> None:
+    store = WeightStore(tmp_path)
+    store.check_local(default_gguf(), manifest, manifest.span_parts(SPAN, entry=False))
+    checked = next((tmp_path / "checked").glob("*.json"))
+    before = checked.stat().st_mtime_ns
+    store.check_local(default_gguf(), manifest, manifest.span_parts(SPAN, entry=False))
+    assert checked.stat().st_mtime_ns == before
+    assert store.files[manifest.digest].held >= {"blk.10.attn_q.weight", HEADER}
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, (0, 100)),
+        ("bytes=0-9", (0, 10)),
+        ("bytes=90-", (90, 100)),
+        ("bytes=99-99", (99, 100)),
+    ],
+)
+def test_ranges_within_a_part(header: str | None, expected: tuple[int, int]) -> None:
+    assert parse_range(header, 100) == expected
+
+
+@pytest.mark.parametrize(
+    "header", ["bytes=0-100", "bytes=50-10", "bytes=100-", "items=0-1", "bytes=0-1,4-5", "bytes=-5"]
+)
+def test_ranges_outside_a_part_are_refused(header: str) -> None:
+    with pytest.raises(RangeError):
+        parse_range(header, 100)
+
+
+def test_a_range_over_the_call_limit_is_refused() -> None:
+    with pytest.raises(RangeError, match="at most"):
+        parse_range(None, MAX_RANGE_BYTES + 1)
+
+
+def test_uploads_keep_to_their_limit() -> None:
+    now = [0.0]
+    limit = UploadLimit(1000.0, clock=lambda: now[0])
+    assert limit.book(500) == pytest.approx(0.5)
+    assert limit.book(500) == pytest.approx(1.0)  # queued behind the first
+    now[0] = 5.0
+    assert limit.book(1000) == pytest.approx(1.0)  # idle time is not saved up
+    assert UploadLimit(None).book(10**9) == 0.0
+
+
+def weights_app(store: WeightStore, name: str = "tracker") -> Starlette:
+    """A member named `name` serving what `store` holds, to members only."""
+    app = Starlette(middleware=[_guard(KEY, name)])
+    install_error_handlers(app)
+    add_weight_routes(app, WeightServer(store))
+    return app
+
+
+def _guard(key: str, name: str) -> Middleware:
+    access = AccessConfig(swarm_key=key)
+    credentials = Credentials(access, frozenset({name}))
+    return Middleware(Guard, rules=weight_rules(), credentials=credentials)
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Iterator[Holder]:
+    """A member serving the whole default file."""
+    store = WeightStore(tmp_path_factory.mktemp("holder"))
+    store.offer_file(default_gguf(), manifest)
+    with serving(weights_app(store)) as port:
+        yield Holder("tracker", f"http://127.0.0.1:{port}")
+
+
+def fetch(
+    store: WeightStore,
+    holders: list[Holder],
+    digest: str,
+    span: LayerSpan = SPAN,
+    reports: list[str] | None = None,
+):  # type: ignore[no-untyped-def]
+    async def report(holder: Holder, why: str) -> None:
+        (reports if reports is not None else []).append(f"{holder.name}: {why}")
+
+    fetcher = Fetcher(store, holders, signer=Signer(KEY), report=report)
+    return asyncio.run(fetcher.fetch(digest, lambda m: m.span_parts(span, entry=False))), fetcher
+
+
+def test_a_node_fetches_exactly_its_span_and_the_loaders_read_it(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    store = WeightStore(tmp_path)
+    held, fetcher = fetch(store, [holder], manifest.digest)
+    needed = manifest.span_parts(SPAN, entry=False)
+    assert held.held == {p.name for p in needed}
+    assert fetcher.progress is not None and fetcher.progress.done_bytes == sum(
+        p.nbytes for p in needed
+    )
+    verify(held.path, manifest, needed)  # the bytes at their places
+    assert os.stat(held.path).st_blocks * 512 < manifest.file_bytes / 4  # sparse: the span only
+    index = read_gguf(held.path)
+    assert [t.name for t in index.tensors] == [t.name for t in read_gguf(default_gguf()).tensors]
+    again, second = fetch(WeightStore(tmp_path), [holder], manifest.digest)  # a restart
+    assert again.held == held.held and second.progress is None  # nothing fetched again
+
+
+def test_a_holder_sending_a_flipped_byte_is_reported_and_the_part_comes_from_another(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    liar = WeightStore(tmp_path / "liar")
+    tensors = [p.name for p in manifest.span_parts(SPAN, entry=False) if p.name != HEADER]
+    liar.offer_file(flipped_copy(tmp_path, manifest, *tensors), manifest)
+    reports: list[str] = []
+    with serving(weights_app(liar, "node-liar")) as port:
+        bad = Holder("node-liar", f"http://127.0.0.1:{port}")
+        held, _ = fetch(
+            WeightStore(tmp_path / "me"), [bad, holder], manifest.digest, reports=reports
+        )
+    verify(held.path, manifest, manifest.span_parts(SPAN, entry=False))
+    assert len(reports) == 1 and reports[0].startswith("node-liar: sent weights that fail")
+
+
+def test_a_fetch_cut_short_resumes_from_its_checked_parts(
+    tmp_path: Path, manifest: Manifest, holder: Holder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = WeightStore(tmp_path)
+    writes = [0]
+    real = os.pwrite
+
+    def full_disk(fd: int, data: bytes, offset: int) -> int:
+        writes[0] += 1
+        if writes[0] > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(WeightsError, match="No space left"):
+        fetch(store, [holder], manifest.digest)
+    monkeypatch.setattr(os, "pwrite", real)
+    reopened = WeightStore(tmp_path)
+    kept = reopened.files[manifest.digest].held
+    assert 0 < len(kept) < len(manifest.span_parts(SPAN, entry=False))
+    held, fetcher = fetch(reopened, [holder], manifest.digest)
+    verify(held.path, manifest, manifest.span_parts(SPAN, entry=False))
+    assert fetcher.progress is not None
+    assert fetcher.progress.total_bytes < sum(
+        p.nbytes for p in manifest.span_parts(SPAN, entry=False)
+    )
+
+
+def test_a_dead_holder_is_left_and_the_fetch_completes_from_the_next(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    dead = Holder("node-gone", "http://127.0.0.1:9")  # nothing listens on the discard port
+    held, fetcher = fetch(WeightStore(tmp_path), [dead, holder], manifest.digest)
+    assert "node-gone" in fetcher.left and held.has(manifest.span_parts(SPAN, entry=False))
+    with pytest.raises(WeightsError, match="no holder gave"):
+        fetch(WeightStore(tmp_path / "x"), [dead], manifest.digest)
+
+
+def test_weights_calls_are_for_members_and_bad_ones_get_json_errors(
+    manifest: Manifest, holder: Holder
+) -> None:
+    base = f"{holder.address}/v1/weights/{manifest.digest}"
+    assert httpx.get(f"{base}/manifest").status_code == 401  # no swarm-key proof
+    auth = Signer(KEY).auth("tracker")
+    got = httpx.get(f"{base}/manifest", auth=auth)
+    assert got.status_code == 200 and got.content == manifest.canonical()
+    cases = {
+        f"{base}/parts/blk.0.attn_q.weight": ({"Range": "bytes=0-99999999"}, 416, "Range"),
+        f"{base}/parts/nope.weight": ({}, 404, "name"),
+        f"{holder.address}/v1/weights/{'0' * 64}/manifest": ({}, 404, "digest"),
+    }
+    for url, (headers, status, field) in cases.items():
+        answer = httpx.get(url, headers=headers, auth=Signer(KEY).auth("tracker"))
+        assert answer.status_code == status, url
+        assert answer.json()["error"]["field"] == field
+
+
+def test_the_cache_keeps_to_its_cap_least_recently_used_first(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    store = WeightStore(tmp_path, cache_bytes=1)
+    held, _ = fetch(store, [holder], manifest.digest)
+    assert store.evict(keep={manifest.digest}) == []  # in use: kept over the cap
+    assert store.evict(keep=set()) == [manifest.digest]
+    assert not held.path.exists() and manifest.digest not in WeightStore(tmp_path).files
