@@ -230,7 +230,7 @@ def _answering_app() -> object:
 
 
 def print_heartbeats(sizes: list[int], beats: int) -> None:
-    from meshnet.tracker.registry import BEATS_PER_S, beat_interval_s
+    from meshnet.tracker.beats import BEATS_PER_S, beat_interval_s
 
     print(
         "\n| nodes | no-op heartbeat, registry only (us) | the tracker's app, server side (us) "

@@ -33,7 +33,16 @@ ALLOWED: dict[str, set[str]] = {
     "entry": {*BASE, "wire", "observe", "security", "models", "text", "node", "tracker"},
     "api": {*BASE, "http_errors", "security", "text"},
     "assemble": {
-        *BASE, "wire", "observe", "security", "models", "api", "entry", "node", "tracker", "weights"
+        *BASE,
+        "wire",
+        "observe",
+        "security",
+        "models",
+        "api",
+        "entry",
+        "node",
+        "tracker",
+        "weights",
     },
     "terminal": set(),
     "status": {"security", "terminal"},

@@ -61,6 +61,8 @@ class NodeConfig:
     host_turns: bool = True  # on a CPU, take compute turns with co-located nodes (ADR-0026)
     # compute threads: None follows the cores other processes leave free (ADR-0053)
     threads: int | None = None
+    weights_upload_bytes_s: float | None = None  # weights served to members; None: no cap
+    weights_cache_bytes: int | None = None  # weights fetched and kept on disk; None: no cap
     max_batch: int = 32  # frames of different sessions run as one pass, up to this many
     max_batch_tokens: int = 512  # prefill tokens of one pass, at most (the oldest chunk goes)
     # a decode round waits this long at most for the sessions of the last one: they arrive
@@ -141,6 +143,8 @@ class TrackerConfig:
     route_seed: int | None = None  # fixes replica choice in tests; None = random
     max_nodes: int = 20_000  # registrations beyond this many nodes get 429
     max_nodes_per_address: int = 64  # ...and beyond this many from one address
+    data_dir: str | None = None  # keeps its models' manifests; None = ~/.meshnet/tracker
+    weights_upload_bytes_s: float | None = None  # weights served to members; None: no cap
 
 
 @dataclass(frozen=True)

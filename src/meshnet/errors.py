@@ -21,7 +21,8 @@
     ├── ConfigError                 a configuration meshnet refuses to start with
     └── WeightsError                weights that cannot be served, fetched or trusted (400)
         ├── NotHeldError            a model digest or part this member does not hold (404)
-        └── RangeError              bytes outside the part asked for (416)
+        ├── RangeError              bytes outside the part asked for (416)
+        └── CopyDiffersError        a local copy that differs from the offered model (400)
 
 Apps turn a `MeshError` into a JSON body with `http_status`; that mapping lives here and
 nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "param",
@@ -251,3 +252,8 @@ class RangeError(WeightsError):
     """A weights call asks for bytes outside the part it names (416)."""
 
     http_status = 416
+
+
+class CopyDiffersError(WeightsError):
+    """A member's own copy of a model differs from the offered one (the part named): it
+    serves no span of that model."""

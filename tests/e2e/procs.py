@@ -21,10 +21,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start(
+    args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """`meshnet ARGS` as a child process, output appended to `log` (restarts keep history).
 
-    `env` replaces the environment (`PYTHONUNBUFFERED` is always set).
+    `env` replaces the environment (`PYTHONUNBUFFERED` is always set); `cwd`: where it runs.
     """
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     with log.open("ab") as out:  # the child keeps its own descriptor
@@ -33,6 +35,7 @@ def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subp
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
         )
 
 

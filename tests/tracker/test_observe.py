@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from meshnet.config import AccessConfig, TrackerConfig
 from meshnet.tracker.app import create_app, watch
+from meshnet.tracker.beats import overdue
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
-from meshnet.tracker.registry import Registry, overdue
+from meshnet.tracker.registry import Registry
 from meshnet.types import ModelId, NodeId
 from tests.tracker.members import Members
 from tests.tracker.test_app import MB, Clock, beat, register

@@ -156,7 +156,7 @@ def test_registry_changed_from_many_threads_raises_nothing() -> None:
 
 
 def test_a_big_mesh_stretches_the_heartbeat_interval_and_the_dead_time_with_it() -> None:
-    from meshnet.tracker.registry import BEATS_PER_S, beat_interval_s
+    from meshnet.tracker.beats import BEATS_PER_S, beat_interval_s
 
     assert beat_interval_s(100, 2.0, 500) == 2.0
     assert beat_interval_s(10_000, 2.0, 500) == 20.0  # 500 beats a second, not 5,000

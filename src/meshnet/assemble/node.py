@@ -47,6 +47,7 @@ from meshnet.node.startup import (
     tracker_client,
 )
 from meshnet.node.threads import ComputeThreads
+from meshnet.node.weights import NodeWeights
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
 from meshnet.security.signing import Signer
@@ -55,6 +56,8 @@ from meshnet.security.tls import client_context, scheme
 from meshnet.tracker import messages as msg
 from meshnet.tracker.offers import offer
 from meshnet.types import LayerSpan, NodeId
+from meshnet.weights.serve import UploadLimit, WeightServer
+from meshnet.weights.store import WeightStore
 from meshnet.wire.route import Reply
 
 if TYPE_CHECKING:
@@ -122,12 +125,33 @@ def node_service(
     )
 
 
+def node_weights(
+    config: NodeConfig, access: AccessConfig, service: NodeService
+) -> tuple[NodeWeights | None, WeightServer]:
+    """Where this node's spans' weights come from (with a tracker), and what serves the parts
+    it holds to other members (ADR-0054)."""
+    store = WeightStore(data_dir(config) / "weights", config.weights_cache_bytes)
+    server = WeightServer(store, UploadLimit(config.weights_upload_bytes_s), service.metrics)
+    if config.tracker_url is None:
+        return None, server
+    weights = NodeWeights(
+        store,
+        config.tracker_url,
+        entry=config.entry,
+        signer=Signer(access.swarm_key),
+        verify=client_context(access.tls),
+        metrics=service.metrics,
+    )
+    return weights, server
+
+
 def agent_lifespan(
     role: EntryRole | SpanRole,
     client: ClientFactory,
     request: msg.RegisterRequest,
     on_stop: Callable[[], Awaitable[None]],
     member: Membership | None = None,
+    weights: NodeWeights | None = None,
 ) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
     """Keep the node registered while the app runs; leave the tracker when it stops."""
     service = role.service
@@ -135,7 +159,9 @@ def agent_lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with client() as http:
-            agent = NodeAgent(service, http, request, role.load, role.attach, role.detach, member)
+            agent = NodeAgent(
+                service, http, request, role.load, role.attach, role.detach, member, weights
+            )
             task = asyncio.create_task(agent.run())
             service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
             try:
@@ -178,11 +204,12 @@ def build_app(
         role = entry_role
     if pinned is not None:
         load_pinned(role, config, pinned)
+    weights, server = node_weights(config, access, service)
     lifespan = None
     if config.tracker_url is not None:
         url = config.tracker_url
         lifespan = agent_lifespan(
-            role, lambda: tracker_client(url, access), request, on_stop, member
+            role, lambda: tracker_client(url, access), request, on_stop, member, weights
         )
     app = create_app(
         service=service,
@@ -190,6 +217,7 @@ def build_app(
         access=access,
         api=api,
         api_rules=rules,
+        weights=server,
     )
     app.state.role = role
     return app

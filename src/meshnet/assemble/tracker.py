@@ -50,9 +50,11 @@ from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
-from meshnet.tracker.offers import build_registry, offer
+from meshnet.tracker.offers import build_registry, offer, tracker_store
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.registry import Registry
+from meshnet.weights.serve import UploadLimit, WeightServer
+from meshnet.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,20 @@ def forwarding_client(tls: TlsConfig) -> httpx.AsyncClient:
 
 def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig()) -> FastAPI:
     """A tracker that runs no model: the control plane, and clients forwarded to entries."""
-    registry = build_registry(config)
+    store = tracker_store(config)
+    registry = build_registry(config, store)
     signer = Signer(access.swarm_key)  # its forwarded calls are member calls (N4)
     forwarder = EntryForwarder(registry, forwarding_client(access.tls), signer=signer)
     prober = HttpProber(Signer(access.swarm_key), verify=client_context(access.tls))
-    return create_tracker_app(registry, config, prober=prober, access=access, forwarder=forwarder)
+    weights = weight_server(config, store, registry)
+    return create_tracker_app(
+        registry, config, prober=prober, access=access, forwarder=forwarder, weights=weights
+    )
+
+
+def weight_server(config: TrackerConfig, store: WeightStore, registry: Registry) -> WeightServer:
+    """What serves the tracker's GGUF models to members, within its upload limit."""
+    return WeightServer(store, UploadLimit(config.weights_upload_bytes_s), registry.metrics)
 
 
 def registry_directory(registry: Registry) -> Directory:
@@ -89,7 +100,8 @@ def build_tracker_node_app(
     limits: ApiLimits = ApiLimits(),
 ) -> FastAPI:
     """`meshnet tracker --layers 0:K`: the control plane plus an entry node, in one process."""
-    registry = build_registry(tracker)
+    store = tracker_store(tracker)
+    registry = build_registry(tracker, store)
     signer = Signer(access.swarm_key)
     node = replace(node, model=tracker.models[0], host=tracker.host, port=tracker.port, entry=True)
     node = on_device(node)
@@ -101,7 +113,13 @@ def build_tracker_node_app(
         HttpProber(signer, verify=client_context(access.tls)), request.node_id, request.address
     )
     app = create_tracker_app(
-        registry, tracker, prober=prober, access=access, extra_rules=rules, node_id=request.node_id
+        registry,
+        tracker,
+        prober=prober,
+        access=access,
+        extra_rules=rules,
+        node_id=request.node_id,
+        weights=weight_server(tracker, store, registry),
     )
     add_node_routes(app, service)  # other entry nodes may route through our span
     service.forwarder.directory = registry_directory(registry)  # whom it may push to

@@ -94,3 +94,20 @@ def check_environment() -> None:
             parse_compute(value, f"${COMPUTE_DTYPE_ENV}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def add_weights_flags(group: Any) -> None:
+    """How a member shares and keeps weights (ADR-0054)."""
+    group.add_argument(
+        "--weights-upload-limit",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="weights served to other members, per second at most, e.g. 12MB (default: no limit)",
+    )
+    group.add_argument(
+        "--weights-cache",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="weights fetched from the mesh kept on disk at most, e.g. 20GiB; models no span "
+        "uses go first, least recently used (default: no limit)",
+    )

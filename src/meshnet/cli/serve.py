@@ -10,6 +10,7 @@ from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
 from meshnet.cli.flags import (
+    add_weights_flags,
     parse_bytes,
     parse_device_flag,
     parse_draft_tokens,
@@ -217,6 +218,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="auto encoding: the link rate in Mbit/s under which prefill chunks are "
         "compressed (default %(default)s)",
     )
+    add_weights_flags(group)
     group.add_argument(
         "--threads",
         type=parse_threads,
@@ -311,6 +313,8 @@ def node_limits(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "host_turns": args.host_turns,
         "threads": args.threads,
+        "weights_upload_bytes_s": args.weights_upload_limit,
+        "weights_cache_bytes": args.weights_cache,
         "max_batch": args.max_batch,
         "wire_encoding": args.wire_encoding,
         "auto_compress_below_mbit_s": args.auto_compress_below,
@@ -343,6 +347,8 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
         suspect_s=args.suspect_for,
         max_nodes=args.max_nodes,
         max_nodes_per_address=args.max_nodes_per_address,
+        data_dir=args.data_dir,
+        weights_upload_bytes_s=args.weights_upload_limit,
     )
 
 

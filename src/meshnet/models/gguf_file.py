@@ -41,6 +41,8 @@ HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 def layer_prefix(index: int) -> str:
     return f"blk.{index}."
+
+
 _PLAIN_DTYPES = {
     0: np.float32,
     1: np.float16,

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from meshnet.errors import CopyDiffersError
 from meshnet.models.source import check_source_kind
 from meshnet.node.app import NodeService
 from meshnet.node.runner import ShardRunner
+from meshnet.node.weights import NodeWeights
 from meshnet.security.swarm import TRACKER
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
@@ -103,8 +105,13 @@ class NodeAgent:
         on_load: Callable[[ShardRunner], object] = lambda runner: None,
         on_drop: Callable[[str, LayerSpan], object] = lambda model, span: None,
         membership: Membership | None = None,
+        weights: NodeWeights | None = None,
     ) -> None:
         self.membership = membership or Membership(registration.node_id)
+        self.weights = weights  # where spans' weights come from (None: the source as named)
+        self.digests: dict[str, str] = {}  # model -> its digest, from directives
+        if weights is not None:
+            weights.report = self._report_holder
         self.service = service
         self.client = client  # base_url = the tracker
         self.registration = registration
@@ -166,6 +173,7 @@ class NodeAgent:
             threads=self.service.scheduler.threads.threads,
             requests=finished,
             rtt_ms=self.service.peers.report_ms(),
+            fetching=self.weights.states() if self.weights is not None else [],
         )
         sent = time.perf_counter()
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
@@ -203,7 +211,9 @@ class NodeAgent:
 
     async def _register(self) -> None:
         token = self.membership.token or None  # the one it had: it is this node again
-        request = self.registration.model_copy(update={"loaded": self.loaded(), "token": token})
+        held = self.weights.digests() if self.weights is not None else []
+        update = {"loaded": self.loaded(), "token": token, "weights": held}
+        request = self.registration.model_copy(update=update)
         response = await self.client.post(
             "/v1/nodes/register", json=request.model_dump(mode="json")
         )
@@ -229,19 +239,50 @@ class NodeAgent:
     async def _load(self, d: msg.DirectiveMessage) -> None:
         key = (d.model, d.span)
         try:
-            check_source_kind(d.source, d.source_kind)  # before the loader: no download
+            source = await self._source(d)
             runner = await asyncio.get_running_loop().run_in_executor(
-                self.service.scheduler.worker, self.loader, d.model, d.source, d.span
+                self.service.scheduler.worker, self.loader, d.model, source, d.span
             )
             self.service.shards.add(runner)
             self.on_load(runner)
             log.info("loaded %s layers %s", d.model, d.span)
+            self._keep_cache()
         except Exception as exc:  # a load is a task boundary: report, let the tracker re-plan
             log.exception("loading %s layers %s failed", d.model, d.span)
             self.failed.append(
                 msg.ShardFailure(
-                    shard=msg.ShardRef(model=d.model, span=d.span), error=str(exc)[:2000]
+                    shard=msg.ShardRef(model=d.model, span=d.span),
+                    error=str(exc)[:2000],
+                    refuses_model=isinstance(exc, CopyDiffersError),
                 )
             )
         finally:
             self.loading.pop(key, None)
+
+    async def _source(self, d: msg.DirectiveMessage) -> str:
+        """What the loader reads for `d`: the weights this node holds or fetched (ADR-0054)."""
+        if self.weights is None:
+            check_source_kind(d.source, d.source_kind)  # before the loader: no download
+            return d.source
+        if d.digest is not None:
+            self.digests[d.model] = d.digest
+        return await self.weights.obtain(d)
+
+    def _keep_cache(self) -> None:
+        if self.weights is not None:
+            used = {self.digests[m] for m, _ in self.service.shards if m in self.digests}
+            self.weights.keep(used)
+
+    async def _report_holder(self, node_id: str, why: str) -> None:
+        """Tell the tracker a member sent weights that fail their hash (like a failed spot
+        check: it leaves routes for a while)."""
+        body = msg.ReportRequest(
+            node_id=node_id,
+            reason=why[:500],
+            reporter=self.registration.node_id,
+            token=self.membership.token,
+        )
+        try:
+            await self.client.post("/v1/nodes/report", json=body.model_dump(mode="json"))
+        except httpx.HTTPError as exc:
+            log.warning("could not report %s to the tracker: %s", node_id, exc)

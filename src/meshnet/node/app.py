@@ -45,6 +45,7 @@ from meshnet.security.ownership import PROOF, check_close, check_frame
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
 from meshnet.types import SessionId, is_valid_id
+from meshnet.weights.serve import WeightServer, add_weight_routes, weight_rules
 from meshnet.wire import FrameMeta, compression, decode_bits, encode, require_finite
 from meshnet.wire import headers as h
 from meshnet.wire.frame import Hidden
@@ -283,16 +284,18 @@ def create_app(
     access: AccessConfig = AccessConfig(),
     api: ASGIApp | None = None,
     api_rules: Sequence[Rule] = (),
+    weights: WeightServer | None = None,
 ) -> Starlette:
     """The node's ASGI app around `runner` (or a prepared `service` with many runners).
 
     Plain Starlette: the activation plane is on every token's path, and FastAPI's layers
     (parameter machinery, extra middleware) cost a measurable share of a hop. The JSON apps
     (tracker, API) use FastAPI for schemas and OpenAPI. An entry's `api` (with its access
-    `api_rules`) answers every path the node's own routes do not.
+    `api_rules`) answers every path the node's own routes do not; `weights` serves what it
+    holds of models' weights.
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
-    rules = [*access_rules(limits), *api_rules]
+    rules = [*access_rules(limits), *weight_rules(), *api_rules]
     credentials = Credentials(access, frozenset({service.node_id}))
     guard = Middleware(Guard, rules=rules, credentials=credentials)
     if access.swarm_key:
@@ -306,6 +309,8 @@ def create_app(
     install_error_handlers(app)
     add_node_routes(app, service)
     add_metrics_route(app, service.metrics)
+    if weights is not None:  # the parts of models it holds, to members (ADR-0054)
+        add_weight_routes(app, weights)
     app.add_route("/health", service.health, methods=["GET"])
     if api is not None:
         app.mount("", api)  # after the node's routes: only what they leave

@@ -31,6 +31,7 @@ from meshnet.tracker.membership import NodeConflictError, new_token, token_diges
 from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
+from meshnet.weights.serve import WeightServer, add_weight_routes, weight_rules
 
 log = logging.getLogger(__name__)
 DASHBOARD = Path(__file__).parent / "dashboard"  # static files: no build step
@@ -41,6 +42,7 @@ def access_rules() -> list[Rule]:
     return [
         rule("/v1/nodes", "swarm", max_body_bytes=256 * KiB),
         rule("/v1/route", "swarm"),
+        *weight_rules(),
         rule("/v1/entries", "swarm", "client"),
         rule("/v1/coverage", "swarm", "client"),
         rule("/metrics", "swarm", "client"),
@@ -58,6 +60,7 @@ def create_app(
     extra_rules: Sequence[Rule] = (),
     forwarder: EntryForwarder | None = None,
     node_id: str | None = None,
+    weights: WeightServer | None = None,
 ) -> FastAPI:
     """The tracker's ASGI app over `registry`; `prober` checks registering nodes.
 
@@ -65,6 +68,7 @@ def create_app(
     `forwarder`: a tracker that runs no model answers clients by forwarding to entries.
     `node_id`: the id of the node this process also is (tracker-as-node): members' proofs
     may be addressed to it as well as to `tracker`.
+    `weights`: serves the parts of the GGUF models it offers to members (ADR-0054).
     """
     rng = random.Random(config.route_seed)
 
@@ -81,6 +85,8 @@ def create_app(
     registry.metrics.on_scrape(lambda: _sample(registry))
     app.add_route("/metrics", registry.metrics.endpoint, methods=["GET"], include_in_schema=False)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
+    if weights is not None:
+        add_weight_routes(app, weights)
     rules = [*access_rules(), *(client_rules() if forwarder else []), *extra_rules]
     names = frozenset({TRACKER, *([node_id] if node_id else [])})
     app.add_middleware(WireVersionHeader)

@@ -51,6 +51,8 @@ class NodeView:
     entry: bool = True
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): it stays
     sessions: int = 0  # sessions it holds now
+    refused: frozenset[ModelId] = frozenset()  # its copy differs from the offered one: none
+    weights: frozenset[ModelId] = frozenset()  # models whose weights it holds (no fetch)
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class Layout:
 
     def per_layer(self, node: NodeView, model: ModelId) -> int:
         """Bytes of one layer of `model` on `node`, 0 when it may not serve the model."""
-        if node.models is not None and model not in node.models:
+        if (node.models is not None and model not in node.models) or model in node.refused:
             return 0
         return self.offers[model].layer_bytes.get(node.quant, 0)
 

@@ -38,6 +38,27 @@ class ShardRef(Message):
 class ShardFailure(Message):
     shard: ShardRef
     error: str = Field(max_length=2000)
+    # its copy of the model differs from the offered one: give it no span of the model
+    refuses_model: bool = False
+
+
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a model's manifest (ADR-0054)
+
+
+class WeightHolder(Message):
+    """A member a node may fetch a model's parts from: a node, or `tracker`."""
+
+    node_id: PeerName
+    address: str = Field(pattern=r"^https?://[^\s/]+$", max_length=300)
+
+
+class FetchState(Message):
+    """How far a node's fetch of a span's weights has come."""
+
+    shard: ShardRef
+    done_bytes: int = Field(ge=0, le=MAX_BYTES)
+    total_bytes: int = Field(ge=0, le=MAX_BYTES)
+    rate_bytes_s: float = Field(ge=0, le=1e13, allow_inf_nan=False)
 
 
 class DirectiveMessage(Message):
@@ -50,6 +71,10 @@ class DirectiveMessage(Message):
     source_kind: SourceKind | None = None
     span: LayerSpan
     reason: str
+    # the model's content (a GGUF file's manifest digest) and who holds its parts, least
+    # loaded first: a node without the file fetches the span's parts from them
+    digest: Digest | None = None
+    holders: list[WeightHolder] = Field(default=[], max_length=16)
 
 
 class RegisterRequest(Message):
@@ -69,6 +94,7 @@ class RegisterRequest(Message):
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
     # the membership token of its last registration: a live id registers again only with it
     token: str | None = Field(default=None, max_length=64)
+    weights: list[Digest] = Field(default=[], max_length=64)  # models it holds parts of
 
     @field_validator("node_id")
     @classmethod
@@ -140,6 +166,7 @@ class HeartbeatRequest(Message):
     requests: list[RequestSummary] = Field(default=[], max_length=MAX_REQUESTS)
     # median round trips it measured (ms) to the tracker and to peers it sends frames to
     rtt_ms: dict[PeerName, RttMs] = Field(default={}, max_length=MAX_PEERS)
+    fetching: list[FetchState] = Field(default=[], max_length=MAX_SHARDS)
 
 
 class HeartbeatResponse(Message):
@@ -173,6 +200,7 @@ class ModelCoverage(Message):
     layers: list[LayerCoverage]
     gaps: list[LayerSpan]  # layers no node serves (loaded)
     routable: bool  # a full chain of loaded spans exists
+    digest: str | None = None  # its content, where the tracker knows it (ADR-0054)
 
 
 class NodeSummary(Message):
@@ -187,6 +215,7 @@ class NodeSummary(Message):
     queue_depth: int = 0
     step_s: float = 0.0
     threads: int = 0  # compute threads at its last heartbeat (ADR-0053)
+    fetching: list[FetchState] = []  # spans whose weights it is fetching (ADR-0054)
     last_heartbeat_age_s: float
     suspect: bool = False  # reported failing by an entry node; out of routes until it beats
     state: NodeState = "ready"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from meshnet.config import TrackerConfig
 from meshnet.models.sizing import entry_head_bytes, file_layer_bytes, layer_bytes
@@ -11,6 +12,7 @@ from meshnet.models.source import resolve, source_kind
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import Registry
 from meshnet.types import CONVERSIONS, ModelId, is_valid_id
+from meshnet.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +32,32 @@ def offer(name: str) -> ModelOffer:
     return ModelOffer(ModelId(model_id), spec.num_layers, layers, heads)
 
 
-def build_registry(config: TrackerConfig) -> Registry:
-    offers, sources, kinds = [], {}, {}
+def tracker_store(config: TrackerConfig) -> WeightStore:
+    """Where the tracker keeps its models' manifests (made once per file)."""
+    return WeightStore(Path(config.data_dir or Path.home() / ".meshnet" / "tracker"))
+
+
+def known_by_content(name: str, store: WeightStore) -> str | None:
+    """The digest of model `name` when it is a GGUF file, which the tracker then serves to
+    members (ADR-0054); None for checkpoint folders and hub ids."""
+    source = resolve(name)
+    if source.kind != "gguf":
+        return None
+    manifest = store.manifest_of(source.path)
+    store.offer_file(source.path, manifest)
+    return manifest.digest
+
+
+def build_registry(config: TrackerConfig, store: WeightStore | None = None) -> Registry:
+    offers, sources, kinds, digests = [], {}, {}, {}
     for name in config.models:
         model = offer(name)
         offers.append(model)
         sources[model.model] = name
         kinds[model.model] = source_kind(name)
+        digest = known_by_content(name, store) if store is not None else None
+        if digest is not None:
+            digests[model.model] = digest
         log.info(
             "offering %s: %d layers, %d bytes per layer at fp32",
             model.model,
@@ -54,4 +75,5 @@ def build_registry(config: TrackerConfig) -> Registry:
         max_per_address=config.max_nodes_per_address,
     )
     registry.source_kinds = {m: k for m, k in kinds.items() if k is not None}
+    registry.digests = digests
     return registry

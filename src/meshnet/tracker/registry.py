@@ -13,12 +13,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from meshnet.observe.metrics import Metrics
 from meshnet.tracker import messages as msg
+from meshnet.tracker.beats import BEATS_PER_S, beat_interval_s, host_of, overdue
+from meshnet.tracker.holders import Candidate, holders
 from meshnet.tracker.membership import (
     Key,
     NotYourNodeError,
@@ -37,10 +38,8 @@ from meshnet.types import ModelId, NodeId, SourceKind
 log = logging.getLogger(__name__)
 LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows as late
 SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long (default)
-CHECK_AFTER_BEATS = 1.1  # ...and this many makes the tracker check that it still listens
 PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
 QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
-BEATS_PER_S = 500  # heartbeats a second the tracker takes at most (~0.5 core at ~1 ms each)
 
 
 @dataclass
@@ -64,8 +63,10 @@ class NodeRecord:
     checked_s: float = 0.0  # when the tracker last checked that it still listens
     dropping: set[Key] = field(default_factory=set)  # told to drop, still reported
     peer: str = ""  # the address it registered from (for the per-address cap)
+    refused: set[ModelId] = field(default_factory=set)  # its copy differs from the offered one
+    fetching: list[msg.FetchState] = field(default_factory=list)  # at its last heartbeat
 
-    def view(self) -> NodeView:
+    def view(self, by_digest: Mapping[str, ModelId] | None = None) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
             Holding(m, s, False) for m, s in sorted(self.assigned - self.loaded)
         )
@@ -81,6 +82,8 @@ class NodeRecord:
             entry=r.entry,
             keeps_entry=r.keeps_entry,
             sessions=self.sessions,
+            refused=frozenset(self.refused),
+            weights=frozenset(by_digest[d] for d in r.weights if by_digest and d in by_digest),
         )
 
 
@@ -104,6 +107,7 @@ class Registry:
         self.offers = {o.model: o for o in offers}
         self.sources = sources  # model id -> what nodes pass to their loader
         self.source_kinds: dict[ModelId, SourceKind] = {}  # ... and what kind of source it is
+        self.digests: dict[ModelId, str] = {}  # ... and its content, where known (ADR-0054)
         self.base_dead_after_s = dead_after_s
         self.base_interval_s = heartbeat_interval_s or dead_after_s / 3
         self.suspect_s = suspect_s  # how long a reported node stays out of routes
@@ -151,7 +155,7 @@ class Registry:
         token its later calls must carry (None: registered in-process, unchecked)."""
         with self.lock:
             self.validate(request)
-            node_id, address = NodeId(request.node_id), peer or _host(request.address)
+            node_id, address = NodeId(request.node_id), peer or host_of(request.address)
             check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
             loaded = {self._key(ref) for ref in request.loaded}
             per_layer = {m: o.layer_bytes.get(request.quant, 0) for m, o in self.offers.items()}
@@ -201,6 +205,8 @@ class Registry:
             )
             record.loaded, record.assigned = loaded, assigned
             record.failed |= failed
+            record.refused |= {ModelId(f.shard.model) for f in beat.failed if f.refuses_model}
+            record.fetching = list(beat.fetching)
             record.sessions = beat.sessions
             record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
             record.threads = beat.threads
@@ -301,7 +307,8 @@ class Registry:
         """Run the planner; queue each new directive for its node."""
         with self.lock:
             started = self.timer()
-            views = [r.view() for r in self.nodes.values()]
+            by_digest = {d: m for m, d in self.digests.items()}
+            views = [r.view(by_digest) for r in self.nodes.values()]
             for directive in plan(list(self.offers.values()), views):
                 self._issue(directive)
             self.dirty, self.plans = False, self.plans + 1
@@ -326,14 +333,8 @@ class Registry:
         record.pending.append(directive)
         self.recent.append((self.clock(), directive))
         self.metrics.directives.labels(directive.op).inc()
-        log.info(
-            "%s %s %s to %s: %s",
-            directive.op,
-            directive.model,
-            directive.span,
-            directive.node_id,
-            directive.reason,
-        )
+        d = directive
+        log.info("%s %s %s to %s: %s", d.op, d.model, d.span, d.node_id, d.reason)
 
     def _deliver(self, node_id: NodeId) -> list[Directive]:
         record = self.nodes[node_id]
@@ -373,28 +374,22 @@ class Registry:
             source_kind=self.source_kinds.get(directive.model),
             span=directive.span,
             reason=directive.reason,
+            digest=self.digests.get(directive.model),
+            holders=self.holders(directive) if directive.op == "LOAD_SHARD" else [],
         )
 
-
-def beat_interval_s(nodes: int, base_s: float, beats_per_s: float) -> float:
-    """Seconds between a node's heartbeats so that `nodes` nodes send at most `beats_per_s`
-    a second together, and never less than `base_s`."""
-    return max(base_s, nodes / beats_per_s)
-
-
-def _host(address: str) -> str:
-    return urlsplit(address).hostname or address
-
-
-def overdue(
-    beats: dict[NodeId, tuple[float, float]], now_s: float, interval_s: float
-) -> list[NodeId]:
-    """Nodes to check: no heartbeat for `CHECK_AFTER_BEATS` intervals, and not checked since.
-
-    `beats` maps each node to (its last heartbeat, its last check), both in clock seconds.
-    """
-    return [
-        node
-        for node, (seen_s, checked_s) in beats.items()
-        if now_s - seen_s > CHECK_AFTER_BEATS * interval_s and checked_s <= seen_s
-    ]
+    def holders(self, directive: Directive) -> list[msg.WeightHolder]:
+        """Whom the node told to load `directive`'s span may fetch its weights from."""
+        now, model = self.clock(), directive.model
+        candidates = [
+            Candidate(
+                node_id,
+                r.request.address,
+                frozenset(s for m, s in r.loaded if m == model),
+                r.sessions + r.queue_depth,
+                r.reports.agreed(now),
+            )
+            for node_id, r in self.nodes.items()
+            if node_id != directive.node_id
+        ]
+        return holders(directive.span, candidates) if model in self.digests else []

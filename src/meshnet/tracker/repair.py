@@ -72,16 +72,19 @@ def best_fit(
 ) -> tuple[NodeView, int] | None:
     """The node for the next piece of a gap and how many layers it takes.
 
-    Idle nodes before busy ones (when `idle_first`); among them the smallest that holds the
-    whole rest of the gap (least waste, one hop), else the largest (longest span, fewest
-    hops); ties go to the lowest node id. One pass over the nodes per pool.
+    Idle nodes before busy ones (when `idle_first`), and in each, nodes that already hold
+    the model's weights before those that would fetch them (ADR-0054); among them the
+    smallest that holds the whole rest of the gap (least waste, one hop), else the largest
+    (longest span, fewest hops); ties go to the lowest node id. One pass per pool.
     """
-    pools = (True, False) if idle_first else (None,)
-    for pool in pools:
+    idle = (True, False) if idle_first else (None,)
+    for pool, holds in ((p, h) for p in idle for h in (True, False)):
         fit: tuple[int, str, NodeView] | None = None  # smallest room >= need
         largest: tuple[int, str, NodeView] | None = None  # largest room (then lowest id)
         for n in layout.order:
             if pool is not None and layout.idle(n.node_id) != pool:
+                continue
+            if (offer.model in n.weights) != holds:
                 continue
             cap = room(n)
             if cap <= 0 or (n.failed and _failed(n, offer, start, min(need, cap))):

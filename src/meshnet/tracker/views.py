@@ -129,6 +129,7 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
             queue_depth=r.queue_depth,
             step_s=r.step_s,
             threads=r.threads,
+            fetching=r.fetching,
             last_heartbeat_age_s=round(now - r.last_seen_s, 3),
             suspect=r.reports.agreed(now),
             state=states[n],
@@ -171,6 +172,7 @@ def _model_coverage(
         ],
         gaps=gaps(offer.num_layers, served),
         routable=_routable(offer.model, offer.num_layers, servers(registry, offer.model)),
+        digest=registry.digests.get(offer.model),
     )
 
 

@@ -85,6 +85,17 @@ class Fetcher:
         self.left: set[str] = set()  # holders that failed or stalled during this fetch
         self.progress: FetchProgress | None = None
 
+    async def manifest_of(self, digest: str) -> Manifest:
+        """The manifest `digest` names: the store's, else the first right one a holder gives."""
+        held = self.store.files.get(digest)
+        if held is not None:
+            return held.manifest
+        async with self._client() as client:
+            return await self.manifest(client, digest)
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify)  # type: ignore[arg-type]
+
     async def manifest(self, client: httpx.AsyncClient, digest: str) -> Manifest:
         """The manifest `digest` names, from the first holder that gives the right one."""
         errors = []
@@ -99,7 +110,7 @@ class Fetcher:
 
     async def fetch(self, digest: str, parts_of: Callable[[Manifest], list[Part]]) -> HeldFile:
         """The cache's file of model `digest` holding every part `parts_of(manifest)` names."""
-        async with httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify) as client:  # type: ignore[arg-type]
+        async with self._client() as client:
             held = self.store.files.get(digest)
             manifest = held.manifest if held is not None else await self.manifest(client, digest)
             parts = parts_of(manifest)
@@ -158,8 +169,9 @@ class Fetcher:
                     await self.report(holder, f"sent weights that fail their hash ({part.name})")
             except (httpx.HTTPError, _Refused) as exc:
                 errors.append(f"{holder.name}: {exc or type(exc).__name__}")
-                if not isinstance(exc, _Refused):
+                if not isinstance(exc, _Refused) and holder.name not in self.left:
                     self.left.add(holder.name)  # down or stalled: not again in this fetch
+                    log.warning("weights: %s failed (%r); going on without it", holder.name, exc)
         raise WeightsError(
             f"no holder gave part {part.name!r}: {'; '.join(errors) or 'none left'}",
             field=part.name,

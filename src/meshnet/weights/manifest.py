@@ -17,7 +17,7 @@ from typing import BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshnet.errors import WeightsError
+from meshnet.errors import CopyDiffersError, WeightsError
 from meshnet.models.gguf_file import HEAD_TENSORS, layer_prefix, read_gguf
 from meshnet.observe.progress import Task
 from meshnet.types import LayerSpan
@@ -148,7 +148,7 @@ def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
     first part that differs): the bytes a load is about to read, read once here."""
     size = path.stat().st_size
     if size != manifest.file_bytes:
-        raise WeightsError(
+        raise CopyDiffersError(
             f"{path.name} has {size} bytes; model {manifest.digest[:16]}... has "
             f"{manifest.file_bytes}: another file under the same name",
             field="weights",
@@ -161,7 +161,7 @@ def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
                     if part.name == HEADER
                     else (f"tensor {part.name!r}")
                 )
-                raise WeightsError(
+                raise CopyDiffersError(
                     f"{path.name}: its {what} differs from model {manifest.digest[:16]}...'s "
                     "manifest: not loading it",
                     field="weights",
