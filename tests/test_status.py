@@ -37,6 +37,23 @@ def test_status_shows_each_model_bar_and_every_node() -> None:
     assert "30/30 layers served  no gaps  routable" in text
 
 
+def test_status_shows_how_far_a_fetch_of_weights_has_come() -> None:
+    shard = {"model": "m", "span": {"start": 0, "end": 11}}
+    node = {"node_id": "a", "address": "http://a:1", "state": "loading", "budget_bytes": 1e9}
+    node |= {"quant": "gguf", "loaded": [], "loading": [shard], "sessions": 0}
+    node |= {"last_heartbeat_age_s": 0.5, "fetching": [fetch(shard)]}
+    model = {"model": "m", "num_layers": 11, "gaps": [], "routable": False, "digest": "ab" * 32}
+    model["layers"] = [{"serving": [], "loading": ["a"]}] * 11
+    coverage = {"models": [model], "nodes": [node], "heartbeat_interval_s": 2.0}
+    text = text_of(coverage)
+    assert "m 0:11 (fetching 20/80 MB at 10.0 MB/s, 6 s left)" in text
+    assert "m@abababababab" in text
+
+
+def fetch(shard: dict[str, object]) -> dict[str, object]:
+    return {"shard": shard, "done_bytes": 20e6, "total_bytes": 80e6, "rate_bytes_s": 10e6}
+
+
 def test_an_unreachable_tracker_is_one_clear_line_and_exit_status_1() -> None:
     console = Console(record=True, width=200)
     assert run_status("http://127.0.0.1:9", None, None, console) == 1

@@ -61,13 +61,24 @@ def model_lines(coverage: dict[str, Any]) -> Group:
     for model in coverage["models"]:
         served = sum(1 for layer in model["layers"] if layer["serving"])
         gaps = ", ".join(f"{g['start']}:{g['end']}" for g in model["gaps"])
-        line = Text(f"{model['model']:<12} ", style="bold")
+        digest = f"@{model['digest'][:12]}" if model.get("digest") else ""
+        line = Text(f"{model['model'] + digest:<12} ", style="bold")
         line.append_text(layer_bar(model))
         line.append(f"  {served}/{model['num_layers']} layers served")
         line.append(f"  gaps {gaps}" if gaps else "  no gaps", style="red" if gaps else "green")
         line.append("  routable" if model["routable"] else "  NOT routable")
         lines.append(line)
     return Group(*lines)
+
+
+def loading_note(node: dict[str, Any], shard: dict[str, Any]) -> str:
+    """`loading`, or how far the fetch of its weights has come (ADR-0054)."""
+    fetch = next((f for f in node.get("fetching", []) if f["shard"] == shard), None)
+    if fetch is None:
+        return "loading"
+    done, total, rate = fetch["done_bytes"], fetch["total_bytes"], fetch["rate_bytes_s"]
+    eta = f", {(total - done) / rate:.0f} s left" if rate > 0 else ""
+    return f"fetching {done / 1e6:,.0f}/{total / 1e6:,.0f} MB at {rate / 1e6:.1f} MB/s{eta}"
 
 
 def node_table(coverage: dict[str, Any]) -> Table:
@@ -78,7 +89,7 @@ def node_table(coverage: dict[str, Any]) -> Table:
     for node in coverage["nodes"]:
         spans = [f"{s['model']} {s['span']['start']}:{s['span']['end']}" for s in node["loaded"]]
         spans += [
-            f"{s['model']} {s['span']['start']}:{s['span']['end']} (loading)"
+            f"{s['model']} {s['span']['start']}:{s['span']['end']} ({loading_note(node, s)})"
             for s in node["loading"]
         ]
         state = node["state"]

@@ -101,6 +101,13 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
         {"node_id": "entry", "requests": [SUMMARY], "threads": 3}
         | {"loaded": [{"model": "m", "span": {"start": 0, "end": 10}}]},
     )
+    gap = {"model": "m", "span": {"start": 10, "end": 20}}
+    fetching = {"shard": gap, "done_bytes": 5 * MB, "total_bytes": 20 * MB, "rate_bytes_s": MB}
+    member(  # its weights come over the mesh (ADR-0054)
+        url,
+        "/v1/nodes/heartbeat",
+        {"node_id": "fresh", "loading": [gap], "fetching": [fetching]},
+    )
     with chromium() as page:
         page.get(f"{url}/?poll=200")
         wait_for(
@@ -131,6 +138,10 @@ def test_the_page_draws_loading_late_gaps_requests_and_directives(
             page, "document.querySelector('#nodes tr[data-node=entry]').cells[7].textContent"
         )
         assert threads == "3"
+        spans = page_value(
+            page, "document.querySelector('#nodes tr[data-node=fresh]').cells[5].textContent"
+        )
+        assert "m 10:20 (fetching 5" in spans and "15 s left" in spans, spans
         cells = page_value(
             page,
             "[...document.querySelectorAll('.map .cell[data-node]')]"

@@ -98,6 +98,19 @@ def test_failed_loads_go_elsewhere() -> None:
     assert loads(plan([offer("m", 10)], [bad, node("b", 100)])) == {"b": ("m", LayerSpan(0, 10))}
 
 
+def test_a_node_holding_the_models_weights_is_preferred_to_one_that_would_fetch_them() -> None:
+    fetching, holding = node("a", 100), replace(node("b", 100), weights=frozenset({M("m")}))
+    assert loads(plan([offer("m", 10)], [fetching, holding]))["b"] == ("m", LayerSpan(0, 10))
+    # weights held do not outrank a fit: without them, the best fit is still the smaller
+    assert loads(plan([offer("m", 10)], [fetching, node("b", 100)]))["a"] == ("m", LayerSpan(0, 10))
+
+
+def test_a_node_whose_copy_differs_gets_no_span_of_that_model() -> None:
+    refused = replace(node("a", 500), refused=frozenset({M("m")}))
+    result = loads(plan([offer("m", 10), offer("n", 5)], [refused]))
+    assert result == {"a": ("n", LayerSpan(0, 5))}
+
+
 def test_models_no_longer_offered_are_dropped() -> None:
     directives = plan([offer("m", 4)], [node("a", 100, Holding(M("gone"), LayerSpan(0, 2)))])
     assert [(d.op, d.model) for d in directives] == [("DROP_SHARD", "gone"), ("LOAD_SHARD", "m")]

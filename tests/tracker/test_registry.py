@@ -12,7 +12,7 @@ import pytest
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.membership import TooManyNodesError
-from meshnet.tracker.planner import ModelOffer
+from meshnet.tracker.planner import Directive, ModelOffer
 from meshnet.tracker.registry import PLANNING_SHARE, NodeRecord, Registry
 from meshnet.types import LayerSpan, ModelId, NodeId
 
@@ -187,3 +187,50 @@ def test_a_reported_node_stays_suspect_for_the_configured_time(
     clock.now += after_s
     reg.heartbeat(msg.HeartbeatRequest(node_id="a"))
     assert (reg.state(reg.nodes[NodeId("a")], clock.now) == "suspect") is suspect
+
+
+DIGEST = "ab" * 32
+
+
+def test_a_load_names_the_models_digest_and_its_holders_least_loaded_first() -> None:
+    reg = registry()
+    reg.digests = {ModelId("m"): DIGEST}
+    for name in ("a", "b"):
+        reg.register(request(name, budget_mb=400))
+        reg.heartbeat(msg.HeartbeatRequest(node_id=name, loaded=loaded(reg, name)))
+    reg.nodes[NodeId("a")].sessions = 5  # busier than b
+    reg.register(request("c", budget_mb=400))
+    directive = Directive("LOAD_SHARD", NodeId("c"), ModelId("m"), LayerSpan(10, 20), "a copy")
+    message = reg.to_message(directive)
+    assert message.digest == DIGEST
+    assert [h.node_id for h in message.holders] == ["b", "a"]
+    reg.digests = {}
+    assert reg.to_message(directive).holders == []  # not known by content: nothing to fetch
+
+
+def test_a_node_whose_copy_differs_is_given_no_more_of_that_model() -> None:
+    reg = registry()
+    reg.register(request("a", budget_mb=400))
+    told = loaded(reg, "a")
+    failure = msg.ShardFailure(shard=told[0], error="its tensor differs", refuses_model=True)
+    reg.heartbeat(msg.HeartbeatRequest(node_id="a", failed=[failure]))
+    reg.replan()
+    record = reg.nodes[NodeId("a")]
+    assert not record.assigned and not record.pending and record.refused == {"m"}
+
+
+def test_holders_cover_the_most_of_a_span_then_carry_the_least_load() -> None:
+    from meshnet.tracker.holders import Candidate, holders
+
+    span = LayerSpan(10, 20)
+    found = holders(
+        span,
+        [
+            Candidate("far", "http://h:1", frozenset({LayerSpan(0, 5)}), 0),
+            Candidate("half", "http://h:2", frozenset({LayerSpan(15, 30)}), 0),
+            Candidate("busy", "http://h:3", frozenset({LayerSpan(10, 20)}), 9),
+            Candidate("idle", "http://h:4", frozenset({LayerSpan(0, 30)}), 1),
+            Candidate("sick", "http://h:5", frozenset({LayerSpan(10, 20)}), 0, suspect=True),
+        ],
+    )
+    assert [h.node_id for h in found] == ["idle", "busy", "half", "sick"]

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.responses import Response
 
 from meshnet.config import AccessConfig
 from meshnet.errors import RangeError, WeightsError
@@ -177,18 +178,21 @@ def holder(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Iter
         yield Holder("tracker", f"http://127.0.0.1:{port}")
 
 
-def fetch(
+def fetch(  # type: ignore[no-untyped-def]
     store: WeightStore,
     holders: list[Holder],
     digest: str,
     span: LayerSpan = SPAN,
     reports: list[str] | None = None,
-):  # type: ignore[no-untyped-def]
+    entry: bool = False,
+):
+    """Fetch `span`'s parts of model `digest` into `store`: (its file, the fetcher)."""
+
     async def report(holder: Holder, why: str) -> None:
         (reports if reports is not None else []).append(f"{holder.name}: {why}")
 
     fetcher = Fetcher(store, holders, signer=Signer(KEY), report=report)
-    return asyncio.run(fetcher.fetch(digest, lambda m: m.span_parts(span, entry=False))), fetcher
+    return asyncio.run(fetcher.fetch(digest, lambda m: m.span_parts(span, entry=entry))), fetcher
 
 
 def test_a_node_fetches_exactly_its_span_and_the_loaders_read_it(
@@ -290,3 +294,49 @@ def test_the_cache_keeps_to_its_cap_least_recently_used_first(
     assert store.evict(keep={manifest.digest}) == []  # in use: kept over the cap
     assert store.evict(keep=set()) == [manifest.digest]
     assert not held.path.exists() and manifest.digest not in WeightStore(tmp_path).files
+
+
+def test_an_entry_span_fetched_alone_gives_the_same_tokens_and_logits(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    """Head, tokenizer and chat template come with an entry span: the cache's file serves an
+    entry as the original does (the span's layers only on disk)."""
+    import numpy as np
+    import torch
+
+    from meshnet.config import NodeConfig
+    from meshnet.entry.role import load_entry_model
+
+    span = LayerSpan(0, 2)
+    held, _ = fetch(WeightStore(tmp_path), [holder], manifest.digest, span=span, entry=True)
+    config = NodeConfig(compile=False, port=0, threads=1)
+    cached = load_entry_model(config, "m", str(held.path), span)
+    original = load_entry_model(config, "m", str(default_gguf()), span)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = original.codec.chat(chat)
+    assert cached.codec.chat(chat) == ids
+    tokens = torch.tensor([ids])
+    for model in (cached, original):
+        model.hidden = model.head.embed_tokens(tokens, 0)  # type: ignore[attr-defined]
+    assert torch.equal(cached.hidden, original.hidden)  # type: ignore[attr-defined]
+    hidden = original.hidden[:, -1:]  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(cached.head.logits(hidden), original.head.logits(hidden))
+
+
+def test_a_holder_that_stalls_is_left_and_the_part_comes_from_another(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    async def stall(request: object) -> Response:
+        await asyncio.sleep(30)
+        return Response(b"")
+
+    app = Starlette()
+    app.add_route("/v1/weights/{digest}/manifest", stall)
+    app.add_route("/v1/weights/{digest}/parts/{name}", stall)
+    with serving(app) as port:
+        slow = Holder("node-slow", f"http://127.0.0.1:{port}")
+        store = WeightStore(tmp_path)
+        fetcher = Fetcher(store, [slow, holder], signer=Signer(KEY), timeout_s=0.5)
+        parts = lambda m: m.span_parts(SPAN, entry=False)  # noqa: E731
+        held = asyncio.run(fetcher.fetch(manifest.digest, parts))
+    assert "node-slow" in fetcher.left and held.has(manifest.span_parts(SPAN, entry=False))

@@ -233,6 +233,7 @@ class NodeAgent:
             if d.op == "DROP_SHARD":
                 self.service.shards.remove(d.model, d.span)
                 self.on_drop(d.model, d.span)
+                self._keep_cache()  # what no span uses now may leave the cache
             elif key not in self.service.shards and key not in self.loading:
                 self.loading[key] = asyncio.create_task(self._load(d))
 

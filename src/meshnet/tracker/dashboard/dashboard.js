@@ -71,9 +71,18 @@ function drawNodeRow(map, model, node) {
   }
 }
 
+// how far a node's fetch of a span's weights has come (ADR-0054), or "loading"
+function loadingNote(node, shard) {
+  const fetch = (node.fetching || []).find((f) => f.shard.model === shard.model &&
+    f.shard.span.start === shard.span.start && f.shard.span.end === shard.span.end);
+  if (!fetch) return "loading";
+  const left = fetch.rate_bytes_s > 0 ? `, ${((fetch.total_bytes - fetch.done_bytes) / fetch.rate_bytes_s).toFixed(0)} s left` : "";
+  return `fetching ${bytes(fetch.done_bytes)} of ${bytes(fetch.total_bytes)}${left}`;
+}
+
 function nodeRow(node) {
   const spans = [...node.loaded.map((s) => `${s.model} ${span(s.span)}`),
-    ...node.loading.map((s) => `${s.model} ${span(s.span)} (loading)`)].join(", ") || "none";
+    ...node.loading.map((s) => `${s.model} ${span(s.span)} (${loadingNote(node, s)})`)].join(", ") || "none";
   return el("tr", {"data-node": node.node_id, "data-state": node.state},
     el("td", {}, node.node_id), el("td", {}, node.address), el("td", {}, badge(node.state)),
     el("td", {class: "num"}, bytes(node.budget_bytes)), el("td", {}, node.quant), el("td", {}, spans),
