@@ -257,3 +257,11 @@ def test_neighbour_benchmark_prints_idle_and_busy_columns() -> None:
     row = next(line for line in out.splitlines() if line.startswith("| ggml, threads auto"))
     cells = row.split("|")[2:4]  # 0 and 1 busy neighbours
     assert len(cells) == 2 and all(float(c.split()[0]) > 0 for c in cells), row
+
+
+def test_weights_benchmark_prints_join_share_and_hashing_tables() -> None:
+    out = run_tiny("weights.py", 300)
+    joins = [line for line in out.splitlines() if line.startswith("| 0:")]
+    assert len(joins) == 4, out  # two spans in the join table, two in the hashing one
+    share = next(line for line in out.splitlines() if line.startswith("| tracker"))
+    assert 0 < float(share.split("|")[3]) < 1, share

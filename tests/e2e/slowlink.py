@@ -22,6 +22,9 @@ class Link:
 
     delay_s: float = 0.0
     rate_bps: float | None = None  # bits per second; None = unlimited
+    # the rate is the link's, shared by all its connections (a node's uplink), not each
+    # connection's own
+    shared: bool = False
 
 
 class LinkProxy:
@@ -31,6 +34,7 @@ class LinkProxy:
         self.upstream_port = upstream_port
         self.link = link
         self.port = free_port()
+        self.free_at: dict[str, float] = {}  # per direction, when the link is shared
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         threading.Thread(target=self._run, args=(started,), daemon=True).start()
@@ -50,9 +54,13 @@ class LinkProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        await asyncio.gather(
+            self._pump(reader, up_writer, "up"), self._pump(up_reader, writer, "down")
+        )
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str
+    ) -> None:
         """Bytes from `reader` reach `writer` `delay` later, no faster than the rate."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         sender = asyncio.create_task(self._send(queue, writer))
@@ -61,7 +69,10 @@ class LinkProxy:
             while data := await reader.read(65536):
                 now = time.monotonic()
                 rate = self.link.rate_bps
+                if self.link.shared:
+                    free_at = self.free_at.get(direction, 0.0)
                 free_at = max(free_at, now) + (len(data) * 8 / rate if rate else 0.0)
+                self.free_at[direction] = free_at
                 queue.put_nowait((free_at + self.link.delay_s, data))
         except OSError:
             pass

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import httpx
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 RANGE_BYTES = 4 << 20  # one call's bytes
 WORKERS = 4  # parts fetched at once (from different holders where there are several)
 CALL_TIMEOUT_S = 30.0  # a holder silent this long on one range is left for this fetch
+SYNC_BYTES = 64 << 20  # checked parts are synced and recorded together, this many bytes at most
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Fetcher:
         self.timeout_s = timeout_s
         self.left: set[str] = set()  # holders that failed or stalled during this fetch
         self.progress: FetchProgress | None = None
+        self.checked: list[Part] = []  # hashed and written, not yet synced and recorded
 
     async def manifest_of(self, digest: str) -> Manifest:
         """The manifest `digest` names: the store's, else the first right one a holder gives."""
@@ -126,10 +129,22 @@ class Fetcher:
                 for part in sorted(todo, key=lambda p: -p.nbytes):  # big first: even finish
                     queue.put_nowait(part)
                 workers = min(WORKERS, max(1, len(todo)))
-                await asyncio.gather(
-                    *(self._work(client, held, queue, i, task) for i in range(workers))
-                )
+                jobs = [
+                    asyncio.create_task(self._work(client, held, queue, i, task))
+                    for i in range(workers)
+                ]
+                try:
+                    await asyncio.gather(*jobs)
+                finally:  # no worker outlives the fetch; what was checked stays (a resume)
+                    for job in jobs:
+                        job.cancel()
+                    await asyncio.gather(*jobs, return_exceptions=True)
+                    await self._commit(held)
             return held
+
+    async def _commit(self, held: HeldFile) -> None:
+        parts, self.checked = self.checked, []
+        await asyncio.to_thread(self.store.commit, held, parts)
 
     async def _work(
         self,
@@ -181,7 +196,7 @@ class Fetcher:
         self, client: httpx.AsyncClient, holder: Holder, held: HeldFile, part: Part, task: Task
     ) -> None:
         digest, got = hashlib.sha256(), 0
-        target = f"/v1/weights/{held.manifest.digest}/parts/{part.name}"
+        target = f"/v1/weights/{held.manifest.digest}/parts/{quote(part.name, safe='')}"
         while got < part.nbytes or part.nbytes == 0:
             end = min(part.nbytes, got + RANGE_BYTES)
             headers = {"Range": f"bytes={got}-{end - 1}"} if part.nbytes else {}
@@ -200,7 +215,9 @@ class Fetcher:
                 break
         if digest.hexdigest() != part.sha256:
             raise _BadBytes(f"part {part.name} fails its hash")
-        await asyncio.to_thread(self.store.commit, held, part)
+        self.checked.append(part)
+        if sum(p.nbytes for p in self.checked) >= SYNC_BYTES:
+            await self._commit(held)
 
     def _advance(self, holder: Holder, nbytes: int, task: Task) -> None:
         if self.progress is not None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -144,8 +146,8 @@ def hash_range(f: BinaryIO, offset: int, nbytes: int, task: Task | None = None) 
 
 
 def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
-    """Check `parts` of the local file at `path` against `manifest` (WeightsError naming the
-    first part that differs): the bytes a load is about to read, read once here."""
+    """Check `parts` of the local file at `path` against `manifest` (CopyDiffersError naming
+    a part that differs): the bytes a load is about to read, hashed on every core."""
     size = path.stat().st_size
     if size != manifest.file_bytes:
         raise CopyDiffersError(
@@ -153,16 +155,32 @@ def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
             f"{manifest.file_bytes}: another file under the same name",
             field="weights",
         )
-    with path.open("rb") as f:
-        for part in parts:
-            if hash_range(f, part.offset, part.nbytes) != part.sha256:
-                what = (
-                    "header (metadata, tokenizer or tensor index)"
-                    if part.name == HEADER
-                    else (f"tensor {part.name!r}")
-                )
-                raise CopyDiffersError(
-                    f"{path.name}: its {what} differs from model {manifest.digest[:16]}...'s "
-                    "manifest: not loading it",
-                    field="weights",
-                )
+    parts = list(parts)
+    with path.open("rb") as f, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        hashes = pool.map(lambda p: pread_hash(f.fileno(), p.offset, p.nbytes), parts)
+        wrong = next((p for p, h in zip(parts, hashes, strict=True) if h != p.sha256), None)
+    if wrong is not None:
+        what = (
+            "header (metadata, tokenizer or tensor index)"
+            if wrong.name == HEADER
+            else f"tensor {wrong.name!r}"
+        )
+        raise CopyDiffersError(
+            f"{path.name}: its {what} differs from model {manifest.digest[:16]}...'s "
+            "manifest: not loading it",
+            field="weights",
+        )
+
+
+def pread_hash(fd: int, offset: int, nbytes: int) -> str:
+    """SHA-256 of `nbytes` bytes of the open file `fd` from `offset` (threads may share `fd`:
+    no seek; hashlib lets go of the GIL while it hashes)."""
+    digest = hashlib.sha256()
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(nbytes - done, READ_BYTES), offset + done)
+        if not chunk:
+            raise WeightsError(f"the file ends before byte {offset + nbytes}")
+        digest.update(chunk)
+        done += len(chunk)
+    return digest.hexdigest()

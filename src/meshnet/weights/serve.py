@@ -131,4 +131,9 @@ def add_weight_routes(app: object, server: WeightServer) -> None:
     """The weights routes on a Starlette (or FastAPI) app."""
     add = app.add_route  # type: ignore[attr-defined]
     add("/v1/weights/{digest}/manifest", server.manifest, methods=["GET"], include_in_schema=False)
-    add("/v1/weights/{digest}/parts/{name}", server.part, methods=["GET"], include_in_schema=False)
+    add(
+        "/v1/weights/{digest}/parts/{name:path}",
+        server.part,
+        methods=["GET"],
+        include_in_schema=False,
+    )

@@ -145,8 +145,11 @@ class WeightStore:
                 f"cannot write to {held.path}: {exc.strerror}", field="cache"
             ) from None
 
-    def commit(self, held: HeldFile, part: Part) -> None:
-        """Record `part` as held, once its bytes (hashed by the caller) are on disk."""
+    def commit(self, held: HeldFile, parts: list[Part]) -> None:
+        """Record `parts` as held, once their bytes (hashed by the caller) are on disk: one
+        sync for them all."""
+        if not parts:
+            return
         try:
             fd = os.open(held.path, os.O_WRONLY)
             try:
@@ -156,7 +159,7 @@ class WeightStore:
         except OSError as exc:
             raise WeightsError(f"cannot sync {held.path}: {exc.strerror}", field="cache") from None
         with self._saving:
-            held.held.add(part.name)
+            held.held |= {p.name for p in parts}
             self._save(held)
 
     def touch(self, digest: str) -> None:
