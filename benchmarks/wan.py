@@ -282,8 +282,8 @@ def grid(
     compare: str, tiny: bool, delays: str, rates: str
 ) -> tuple[list[float], list[float | None]]:
     """The one-way delays (s) and link rates (bit/s, None: unlimited) a comparison runs at."""
-    if tiny:  # encodings: loopback against a link slow enough to pay for compression
-        delays, rates = ("0,5", "0") if compare == "designs" else ("0", "0,20")
+    if tiny:  # encodings: a link slow enough to pay for compression (loopback: the full run)
+        delays, rates = ("0,5", "0") if compare == "designs" else ("0", "20")
     return (
         [float(d) / 1000 for d in delays.split(",")],
         [float(r) * 1e6 if float(r) else None for r in rates.split(",")],

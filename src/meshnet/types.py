@@ -87,17 +87,6 @@ class LayerSpan:
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.start, self.end))
 
-    def contains(self, layer: int) -> bool:
-        """True when `layer` is one of this span's layers."""
-        return self.start <= layer < self.end
-
-    def covers(self, other: LayerSpan) -> bool:
-        """True when every layer of `other` is in this span."""
-        return self.start <= other.start and other.end <= self.end
-
-    def overlaps(self, other: LayerSpan) -> bool:
-        return self.start < other.end and other.start < self.end
-
     def split(self, parts: int) -> list[LayerSpan]:
         """Cut into `parts` contiguous spans whose lengths differ by at most one."""
         if not 1 <= parts <= len(self):

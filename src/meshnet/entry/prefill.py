@@ -4,7 +4,7 @@ Sent one chunk at a time through every hop, a prompt of n chunks over s stages (
 own span and each remote hop) costs n x s chunk times, and every stage but one idles. Here
 each stage is a worker with a queue: the entry's span runs the prompt in pieces of
 `prefill_piece_tokens` and queues each piece's wire chunks; each remote hop's worker takes chunks in
-order, forwards them (relayed by the entry, as `Pipeline._hop` does for one chunk), records
+order, forwards them (relayed by the entry, as `Pipeline.hop` does for one chunk), records
 what its hop was sent, and queues the output for the next hop. So chunk i+1 is in hop 1 while
 chunk i is in hop 2, and a prompt costs about (n + s - 1) chunk times.
 

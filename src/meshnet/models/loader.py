@@ -1,7 +1,8 @@
 """Load only what a node serves: the tensors of one layer span, or the head.
 
-Layers are built on the meta device from transformers' own classes, then each tensor is read,
-checked (name and shape) and assigned, one at a time: the full model never exists in memory.
+Layers are built on the meta device from their family's modules (the Llama family's own,
+transformers' for the others), then each tensor is read, checked (name and shape) and
+assigned, one at a time: the full model never exists in memory.
 """
 
 from __future__ import annotations

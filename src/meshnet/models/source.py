@@ -1,7 +1,8 @@
 """Where a model comes from: `default`, a GGUF file, a checkpoint folder, or a hub id.
 
-Resolving a source reads only its config (no torch); `checkpoint(span)` gives the tensor reader,
-downloading (for hub ids, when a network is there) only the files that hold the span.
+Resolving a source reads only its config (no torch); `models.loader.open_checkpoint` gives its
+tensor reader, downloading (for hub ids, when a network is there) only the files that hold a
+span. A directive's GGUF source may come over the mesh instead (`node/weights.py`, ADR-0054).
 """
 
 from __future__ import annotations
