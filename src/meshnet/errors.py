@@ -25,12 +25,16 @@
         └── CopyDiffersError        a local copy that differs from the offered model (400)
 
 Apps turn a `MeshError` into a JSON body with `http_status`; that mapping lives here and
-nowhere else. The body is OpenAI's error shape, `{"error": {"message", "type", "param",
-"code"}}`, plus `field` (the same as `param`), so one shape serves every endpoint.
+nowhere else, and so does reading such a body back (`read_error`). The body is OpenAI's
+error shape, `{"error": {"message", "type", "param", "code"}}`, plus `field` (the same as
+`param`), so one shape serves every endpoint.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 
@@ -257,3 +261,32 @@ class RangeError(WeightsError):
 class CopyDiffersError(WeightsError):
     """A member's own copy of a model differs from the offered one (the part named): it
     serves no span of that model."""
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """An error as another member's JSON answer carried it (`MeshError.to_json`'s shape).
+    Remote words: callers decide how much of `message` they pass on."""
+
+    message: str
+    type: str = ""
+    field: str | None = None
+    code: str | None = None
+    raw: dict[str, Any] = dataclass_field(default_factory=dict)  # the whole `error` object
+
+
+def read_error(body: bytes | str) -> ErrorBody | None:
+    """The `error` object of a JSON error body, or None when `body` is not one."""
+    try:
+        error = json.loads(body)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    field, code = error.get("field"), error.get("code")
+    return ErrorBody(
+        message,
+        str(error.get("type") or ""),
+        field if isinstance(field, str) else None,
+        code if isinstance(code, str) else None,
+        error,
+    )

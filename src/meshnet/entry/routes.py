@@ -13,7 +13,7 @@ from typing import Protocol
 
 import httpx
 
-from meshnet.errors import MissingLayersError, RouteError
+from meshnet.errors import MissingLayersError, RouteError, read_error
 from meshnet.node.agent import Membership
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
@@ -84,14 +84,12 @@ class TrackerRoutes:
 
 
 def _route_error(response: httpx.Response) -> RouteError:
-    try:
-        error = response.json()["error"]
-        message = str(error["message"])
-    except (ValueError, KeyError, TypeError):
+    error = read_error(response.content)
+    if error is None:
         return RouteError(f"the tracker answered {response.status_code}: {response.text[:200]}")
-    if error.get("type") == "MissingLayersError":
-        return MissingLayersError(message, missing=[])
-    return RouteError(message)
+    if error.type == "MissingLayersError":
+        return MissingLayersError(error.message, missing=[])
+    return RouteError(error.message)
 
 
 class RegistryRoutes:

@@ -8,7 +8,6 @@ address in this process, but still encodes and decodes every frame.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
@@ -20,7 +19,7 @@ import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import AuthError, HopError, MeshError, PushError, WireError
+from meshnet.errors import AuthError, HopError, MeshError, PushError, WireError, read_error
 from meshnet.node.peers import PeerTimes
 from meshnet.node.push import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, Inbox, passed_back, proof_for
 from meshnet.node.runner import ShardRunner
@@ -276,10 +275,10 @@ def blamed(route: PushRoute, error: PushError) -> HopError:
 
 def hop_error(hop: Hop, status: int, body: bytes) -> HopError:
     """A `HopError` carrying the remote node's own error message when it sent one."""
-    try:
-        error = json.loads(body)["error"]
-        message, field = str(error["message"])[:300], error.get("field")  # the hop's words
-    except (ValueError, KeyError, TypeError, AttributeError):
+    error = read_error(body)
+    if error is not None:
+        message, field = error.message[:300], error.field  # the hop's words
+    else:
         message, field = body[:200].decode("utf-8", "replace"), None
     failure = HopError(f"hop {hop} answered {status}: {message}", status=status, hop=hop)
     # "this node serves other layers": it dropped the span since our route was drawn

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from meshnet.errors import CopyDiffersError
+from meshnet.errors import CopyDiffersError, read_error
 from meshnet.models.source import check_source_kind
 from meshnet.node.app import NodeService
 from meshnet.node.runner import ShardRunner
@@ -75,20 +75,16 @@ class RefusedError(Exception):
 def _claims_refused(response: httpx.Response) -> bool:
     """A heartbeat refused for spans this tracker did not assign (it restarted while a load
     was under way): registering again declares them, within the budget."""
-    try:
-        return response.status_code == 400 and response.json()["error"]["field"] == "loaded"
-    except (ValueError, KeyError, TypeError):
-        return False
+    error = read_error(response.content)
+    return response.status_code == 400 and error is not None and error.field == "loaded"
 
 
 def _check(response: httpx.Response, what: str) -> None:
     """Raise `RefusedError` with the tracker's own words when it refused `what`."""
     if response.is_success:
         return
-    try:
-        reason = str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        reason = response.text[:200]
+    error = read_error(response.content)
+    reason = error.message if error is not None else response.text[:200]
     hint = " (is this node's swarm key the tracker's?)" if response.status_code == 401 else ""
     raise RefusedError(f"the tracker refused our {what}: {response.status_code} {reason}{hint}")
 

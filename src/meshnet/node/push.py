@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import ssl
 import time
@@ -26,7 +25,7 @@ from dataclasses import replace
 import aiohttp
 
 from meshnet.config import WireConfig
-from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError
+from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError, read_error
 from meshnet.node.directory import Directory
 from meshnet.node.peers import PeerTimes
 from meshnet.observe.metrics import Metrics
@@ -217,18 +216,16 @@ def passed_back(target: str, status: int, body: bytes) -> PushError:
     """The `PushError` for a refusal from `target`: a push error from further down as it
     came, else `target`'s status and the type of its error, never its words (review N6: a
     hop relayed 300 characters of whatever answered, an internal service's included)."""
-    try:
-        error = json.loads(body)["error"]
-        if error.get("code") == "push_failed" and isinstance(error.get("failed"), str):
-            given = error.get("status")
-            return PushError(
-                str(error["message"])[:300],
-                failed=error["failed"],
-                status=given if isinstance(given, int) else None,
-            )
-        kind = str(error.get("type", ""))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        kind = ""
+    error = read_error(body)
+    failed = error.raw.get("failed") if error is not None else None
+    if error is not None and error.code == "push_failed" and isinstance(failed, str):
+        given = error.raw.get("status")
+        return PushError(
+            error.message[:300],
+            failed=failed,
+            status=given if isinstance(given, int) else None,
+        )
+    kind = error.type if error is not None else ""
     named = f" ({kind})" if kind.isidentifier() and len(kind) <= 40 else ""
     return PushError(f"{target} answered {status}{named}", failed=target, status=status)
 
