@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
@@ -19,17 +18,19 @@ import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
-from meshnet.errors import AuthError, HopError, MeshError, PushError, WireError, read_error
+from meshnet.errors import HopError, MeshError, PushError, WireError, read_error
 from meshnet.node.peers import PeerTimes
 from meshnet.node.push import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, Inbox, passed_back, proof_for
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, PROOF, SessionKeys
 from meshnet.security.signing import Signer
+from meshnet.security.swarm import ANSWER_HEADER
 from meshnet.types import Hop, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING, LAYERS
-from meshnet.wire.links import LinkRates, hold_s
+from meshnet.wire.links import LinkRates
+from meshnet.wire.post import AnswerTooLarge, FramePoster
 from meshnet.wire.route import PushRoute, Reply
 from meshnet.wire.tensors import as_tensor
 
@@ -84,6 +85,10 @@ class HttpTransport:
         # a dead host fails fast at connect; a slow prefill chunk may take up to timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s))
         self._client: aiohttp.ClientSession | None = None
+        self.poster = FramePoster(wire, self.links, self.signer, self._count_sent, self._session)
+
+    def _count_sent(self, encoding: str, nbytes: int) -> None:
+        self.metrics.bytes_sent.labels(encoding).inc(nbytes)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None or self._client.closed:
@@ -160,36 +165,19 @@ class HttpTransport:
     ) -> tuple[int, Mapping[str, str], bytes, bool]:
         """POST one signed frame to `hop`'s `/forward`: its answer's status, headers, body
         (at most `max_bytes`) and whether the hop signed it. A 200 answer must be signed
-        (else a `HopError`) and times the link (ADR-0037)."""
+        (else a `HopError`); it times the link (ADR-0037)."""
         self.peers.seen(hop.node_id, hop.address)
-        frame = encode(hidden, meta, self.wire, self.links.bytes_per_s(hop.node_id))
-        data = bytes(frame.body)
-        headers = frame.headers | extra
-        headers |= self.signer.headers("POST", "/forward", data, to=hop.node_id, headers=headers)
-        self.metrics.bytes_sent.labels(frame.headers.get(ENCODING, "none")).inc(len(data))
-        sent_s = time.perf_counter()
         try:
-            async with self._session().post(
-                f"{hop.address}/forward", data=data, headers=headers
-            ) as response:
-                body = await bounded_read(hop, response, max_bytes)
+            answer = await self.poster.post(
+                hop.node_id, hop.address, "/forward", meta, hidden, extra, max_bytes=max_bytes
+            )
+        except AnswerTooLarge as exc:
+            raise HopError(f"hop {hop} {exc}", status=None, hop=hop) from exc
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise HopError(f"hop {hop} failed: {exc!r}", status=None, hop=hop) from exc
-        if response.status == 200:
-            self._check_signed(hop, headers, response, body)
-            took_s = time.perf_counter() - sent_s
-            self.links.record(hop.node_id, len(data) + len(body), took_s, hold_s(response.headers))
-            return response.status, response.headers, body, True
-        signed = self.signer.signed(headers, response.status, response.headers.items(), body)
-        return response.status, response.headers, body, signed
-
-    def _check_signed(
-        self, hop: Hop, sent: dict[str, str], response: aiohttp.ClientResponse, body: bytes
-    ) -> None:
-        try:
-            self.signer.check_answer(sent, response.status, response.headers.items(), body)
-        except AuthError as exc:
-            raise HopError(f"hop {hop}: {exc.message}", status=None, hop=hop) from exc
+        if answer.status == 200 and not answer.signed:
+            raise HopError(f"hop {hop}: {ANSWER_HEADER} is missing or wrong", status=None, hop=hop)
+        return answer.status, answer.headers, answer.body, answer.signed
 
     async def close_session(self, hop: Hop, session: SessionId) -> None:
         path = f"/sessions/{session}"
@@ -206,22 +194,6 @@ class HttpTransport:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-async def bounded_read(hop: Hop, response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    """The answer's body, refused as that hop's failure once it passes `max_bytes`."""
-    declared = response.content_length
-    if declared is not None and declared > max_bytes:
-        raise HopError(
-            f"hop {hop} answered {declared} bytes (cap {max_bytes})", status=None, hop=hop
-        )
-    parts, size = [], 0
-    async for piece in response.content.iter_any():
-        size += len(piece)
-        if size > max_bytes:
-            raise HopError(f"hop {hop} answered over {max_bytes} bytes", status=None, hop=hop)
-        parts.append(piece)
-    return b"".join(parts)
 
 
 def checked_output(

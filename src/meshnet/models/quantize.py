@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16-bit
 
-NF4_BLOCK = 64  # weights per absmax scale
+NF4_BLOCK = sizing.NF4_BLOCK  # weights per absmax scale (one home: sizing, no torch)
 
 
 @functools.cache

@@ -25,17 +25,18 @@ from dataclasses import replace
 import aiohttp
 
 from meshnet.config import WireConfig
-from meshnet.errors import AuthError, PushError, RequestError, SessionError, WireError, read_error
+from meshnet.errors import PushError, RequestError, SessionError, WireError, read_error
 from meshnet.node.directory import Directory
 from meshnet.node.peers import PeerTimes
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROOF
 from meshnet.security.signing import Signer
-from meshnet.security.swarm import route_proof
+from meshnet.security.swarm import ANSWER_HEADER, route_proof
 from meshnet.types import Hop, LayerSpan, SessionId
-from meshnet.wire import FrameMeta, encode
+from meshnet.wire import FrameMeta
 from meshnet.wire.frame import Hidden
-from meshnet.wire.links import LinkRates, hold_s
+from meshnet.wire.links import LinkRates
+from meshnet.wire.post import AnswerTooLarge, FramePoster
 from meshnet.wire.route import ROUTE, ROUTE_PROOF, PushRoute, route_text
 
 log = logging.getLogger(__name__)
@@ -161,32 +162,31 @@ class Forwarder:
         extra: dict[str, str],
         timeout_s: float,
     ) -> None:
-        frame = encode(out, meta, self.wire, self.links.bytes_per_s(target.node_id))
-        data = bytes(frame.body)
-        headers = frame.headers | extra
-        headers |= self.signer.headers("POST", path, data, to=target.node_id, headers=headers)
-        self.metrics.bytes_sent.labels(frame.headers.get("X-Meshnet-Encoding", "none")).inc(
-            len(data)
-        )
+        poster = FramePoster(self.wire, self.links, self.signer, self._count_sent, self._session)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s))
         failed = target.node_id
-        sent_s = time.perf_counter()
         try:
-            async with self._session().post(
-                f"{target.address}{path}",
-                data=data,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(2.0, timeout_s)),
-            ) as response:
-                body = await response.content.read(MAX_ANSWER_BYTES)
-                if response.status != 200:
-                    raise passed_back(failed, response.status, body)
-                self.signer.check_answer(headers, response.status, response.headers.items(), body)
-                took_s, held_s = time.perf_counter() - sent_s, hold_s(response.headers)
-                self.links.record(target.node_id, len(data) + len(body), took_s, held_s)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            answer = await poster.post(
+                failed,
+                target.address,
+                path,
+                meta,
+                out,
+                extra,
+                max_bytes=MAX_ANSWER_BYTES,
+                timeout=timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
             raise PushError(f"{failed} failed: {exc!r}", failed=failed, status=None) from exc
-        except AuthError as exc:  # an unsigned or forged answer: that node's failure
-            raise PushError(f"{failed}: {exc.message}", failed=failed, status=None) from exc
+        if answer.status != 200:
+            raise passed_back(failed, answer.status, answer.body)
+        if not answer.signed:  # an unsigned or forged answer: that node's failure
+            raise PushError(
+                f"{failed}: {ANSWER_HEADER} is missing or wrong", failed=failed, status=None
+            )
+
+    def _count_sent(self, encoding: str, nbytes: int) -> None:
+        self.metrics.bytes_sent.labels(encoding).inc(nbytes)
 
     async def ping(self, address: str, timeout_s: float = 2.0) -> float | None:
         """The round trip (s) of `GET /health` at `address`; None when it fails."""
