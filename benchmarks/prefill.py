@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from meshnet.config import WireConfig, WireLimits
+from meshnet.config import EntryConfig, WireConfig, WireLimits
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import StaticRoutes
 from meshnet.node.app import NodeService
@@ -98,7 +98,8 @@ async def prefill_s(
     wire = WireConfig(chunk_tokens=CHUNK)
     pipeline = Pipeline(
         MODEL, 30, Head(), local, NodeService([local], WireLimits(), wire), StaticRoutes(hops),
-        links, wire, pipelined_prefill=pipelined, prefill_piece_tokens=piece,
+        links, wire,
+        config=EntryConfig(pipelined_prefill=pipelined, prefill_piece_tokens=piece),
     )  # fmt: skip
     session = await pipeline.open()
     started = time.perf_counter()

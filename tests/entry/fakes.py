@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from meshnet.config import RetryPolicy, WireConfig, WireLimits
+from meshnet.config import EntryConfig, RetryPolicy, WireConfig, WireLimits
 from meshnet.entry.generation import Generator
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import StaticRoutes
@@ -160,11 +160,13 @@ def fake_mesh(
         StaticRoutes(hops),
         transport,
         wire,
-        retry=retry,
+        config=EntryConfig(
+            retry=retry,
+            push=push,
+            pipelined_prefill=pipelined,
+            prefill_piece_tokens=piece_tokens,
+        ),
         spot_checker=spot_checker,
-        push=push,
-        pipelined_prefill=pipelined,
-        prefill_piece_tokens=piece_tokens,
     )
     runners["local"] = local
     generator = Generator(pipeline, CharCodec(), 4096, random.Random(0), max_drafts=max_drafts)

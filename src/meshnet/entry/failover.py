@@ -23,7 +23,7 @@ import torch
 
 from meshnet.errors import HopError, MeshError, RouteError
 from meshnet.types import Hop
-from meshnet.wire import FrameMeta, split_prefill
+from meshnet.wire import split_prefill
 
 if TYPE_CHECKING:
     from meshnet.entry.pipeline import Pipeline
@@ -116,9 +116,7 @@ async def _replay(
         outputs = []
         chunks = split_prefill(hidden, 0, pipeline.wire.chunk_tokens)
         for chunk in chunks:
-            meta = FrameMeta(
-                session.id, pipeline.model, hop.span, chunk.position, chunk.index, chunk.total
-            )
+            meta = pipeline.meta_for(session.id, hop.span, chunk.position, chunk.index, chunk.total)
             outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
         hidden = torch.cat(outputs, dim=1)
     return recorded
@@ -175,8 +173,7 @@ async def _replay_route(
     if session.inputs[0]:
         hidden = torch.cat(session.inputs[0], dim=1)
         for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
-            meta = FrameMeta(
-                session.id, pipeline.model, hops[0].span, chunk.position, chunk.index, chunk.total
-            )
+            span = hops[0].span
+            meta = pipeline.meta_for(session.id, span, chunk.position, chunk.index, chunk.total)
             await pipeline.transport.push(hops, meta, chunk.hidden)
     return [session.inputs[0], *([] for _ in hops[1:])]

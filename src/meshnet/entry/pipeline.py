@@ -14,11 +14,12 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import torch
 
-from meshnet.config import RetryPolicy, WireConfig
+from meshnet.config import EntryConfig, WireConfig
 from meshnet.entry import prefill
 from meshnet.entry.failover import failover, reroute
 from meshnet.entry.latency import HopLatencies
@@ -32,7 +33,7 @@ from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, SessionKeys
-from meshnet.types import Hop, ModelId, NodeId
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta, split_prefill
 from meshnet.wire.tensors import TensorChunk, as_tensor
 
@@ -82,17 +83,15 @@ class Pipeline:
         transport: Transport,
         wire: WireConfig = WireConfig(),
         entry_id: str = "entry",
-        retry: RetryPolicy = RetryPolicy(),
-        local_chunk_tokens: int = 2048,
+        config: EntryConfig = EntryConfig(),
+        *,
         metrics: Metrics | None = None,
-        step_wait_s: float = 0.1,
-        max_replay_bytes: int = 256 << 20,
         spot_checker: SpotChecker | None = None,
-        push: bool = False,
-        pipelined_prefill: bool = True,
-        prefill_piece_tokens: int = 512,
+        local_chunk_tokens: int = 2048,
         keys: SessionKeys = PROCESS_KEYS,
     ) -> None:
+        """`config`: the entry's settings (retries, step wait, replay bytes, push, pipelined
+        prefill); its spot-check rate and bans come as `spot_checker` (seeded by the caller)."""
         if local.span.start != 0:
             raise ValueError(f"an entry node serves layers from 0, not {local.span}")
         self.model = model
@@ -107,11 +106,11 @@ class Pipeline:
         self.local_chunk_tokens = local_chunk_tokens
         # a prompt of several chunks overlaps across the hops (ADR-0036); the entry's span
         # runs it in pieces of this many tokens, each sent on as soon as it is done
-        self.pipelined_prefill = pipelined_prefill
-        self.prefill_piece_tokens = prefill_piece_tokens
-        self.retry = retry
-        self.step_wait_s = step_wait_s  # see `EntryConfig.step_wait_s`
-        self.max_replay_bytes = max_replay_bytes  # per session, for failover
+        self.pipelined_prefill = config.pipelined_prefill
+        self.prefill_piece_tokens = config.prefill_piece_tokens
+        self.retry = config.retry
+        self.step_wait_s = config.step_wait_s  # see `EntryConfig.step_wait_s`
+        self.max_replay_bytes = config.max_replay_bytes  # per session, for failover
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
         self.metrics = metrics or Metrics()
         # re-runs a sample of hop answers on other copies; its bans keep nodes out of routes
@@ -119,9 +118,26 @@ class Pipeline:
         self.latencies = HopLatencies()  # decode frames timed per hop: slow ones avoided
         # hops send their outputs on themselves (ADR-0034); spot checks need every hop's
         # answer, so an entry that checks relays
-        self.push = push and self.checker.rate == 0.0
-        if push and not self.push:
+        self.push = config.push and self.checker.rate == 0.0
+        if config.push and not self.push:
             log.warning("spot checks need every hop's answer: relaying (push needs rate 0)")
+
+    def meta_for(
+        self,
+        session: PipelineSession | SessionId,
+        span: LayerSpan,
+        position: int,
+        index: int = 0,
+        total: int = 1,
+    ) -> FrameMeta:
+        """A frame of this pipeline's model: a live session's carries its rewind and fork
+        flags; a replay's (a bare session id) neither."""
+        if isinstance(session, PipelineSession):
+            return FrameMeta(
+                session.id, self.model, span, position, index, total,
+                session.rewinding, session.forking,
+            )  # fmt: skip
+        return FrameMeta(session, self.model, span, position, index, total)
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
@@ -251,16 +267,7 @@ class Pipeline:
 
     def _frame(self, session: PipelineSession, ids: list[int], position: int) -> Frame:
         """The entry's own frame for `ids` at `position`: [1, T, H] embedded."""
-        meta = FrameMeta(
-            session.id,
-            self.model,
-            self.local.span,
-            position,
-            0,
-            1,
-            session.rewinding,
-            session.forking,
-        )
+        meta = self.meta_for(session, self.local.span, position)
         return meta, self.head.embed_tokens(torch.tensor([ids]), position)
 
     def _run_local(
@@ -281,15 +288,9 @@ class Pipeline:
         outputs = []
         for piece in split_prefill(hidden, at, self.local_chunk_tokens):
             rewind = session.rewinding and piece.position == at  # the first piece drops drafts
-            meta = FrameMeta(
-                session.id,
-                self.model,
-                self.local.span,
-                piece.position,
-                piece.index,
-                piece.total,
-                rewind,
-                session.forking,
+            meta = replace(
+                self.meta_for(session, self.local.span, piece.position, piece.index, piece.total),
+                rewind=rewind,
             )
             outputs.append(as_tensor(self.local.forward(meta, piece.hidden)))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -335,16 +336,7 @@ class Pipeline:
         its output, once the session recorded what it was sent (raises `HopError`)."""
         hop = session.hops[k]
         index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
-        meta = FrameMeta(
-            session.id,
-            self.model,
-            hop.span,
-            chunk.position,
-            index,
-            total,
-            session.rewinding,
-            session.forking,
-        )
+        meta = self.meta_for(session, hop.span, chunk.position, index, total)
         if self.checker.bans.has(hop.node_id):
             raise banned(hop)
         started = time.perf_counter()
@@ -361,16 +353,7 @@ class Pipeline:
         replayed from what the first hop was sent, and the chunk goes again."""
         while True:
             index, total = (0, 1) if session.fresh else (chunk.index, chunk.total)
-            meta = FrameMeta(
-                session.id,
-                self.model,
-                session.hops[0].span,
-                chunk.position,
-                index,
-                total,
-                session.rewinding,
-                session.forking,
-            )
+            meta = self.meta_for(session, session.hops[0].span, chunk.position, index, total)
             try:
                 for hop in session.hops:
                     if self.checker.bans.has(hop.node_id):

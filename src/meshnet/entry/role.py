@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -192,16 +192,11 @@ def make_generator(
         transport,
         service.wire,
         service.node_id,
-        retry=entry.retry,
+        replace(entry, push=entry.push and pushes(service)),
         metrics=service.metrics,
-        step_wait_s=entry.step_wait_s,
-        max_replay_bytes=entry.max_replay_bytes,
         spot_checker=SpotChecker(
             entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
         ),
-        push=entry.push and pushes(service),
-        pipelined_prefill=entry.pipelined_prefill,
-        prefill_piece_tokens=entry.prefill_piece_tokens,
     )
     return Generator(
         pipeline,

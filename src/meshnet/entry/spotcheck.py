@@ -273,9 +273,7 @@ async def _through(
 ) -> torch.Tensor:
     outputs = []
     for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
-        meta = FrameMeta(
-            session, pipeline.model, hop.span, chunk.position, chunk.index, chunk.total
-        )
+        meta = pipeline.meta_for(session, hop.span, chunk.position, chunk.index, chunk.total)
         outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
     return torch.cat(outputs, dim=1)
 
