@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from meshnet.errors import HopError, MeshError, RouteError
-from meshnet.types import Hop
+from meshnet.types import Hop, NodeId
 from meshnet.wire import split_prefill
 
 if TYPE_CHECKING:
@@ -37,17 +38,40 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
     started, failed = time.perf_counter(), session.hops[k]
     if not session.replayable:  # nothing to rebuild a replacement's cache from
         raise unreplayable(pipeline, error, "another copy") from error
+
+    async def replacement(exclude: frozenset[NodeId]) -> Replayed:
+        span = failed.span
+        chain = await pipeline.routes.route(pipeline.model, span.start, span.end, exclude)
+        return chain, await _replay(pipeline, session, k, chain)
+
+    chain, inputs = await _new_chain(pipeline, session, failed, error, replacement)
+    session.hops[k : k + 1] = chain
+    session.inputs[k : k + 1] = inputs
+    session.recount()
+    session.fresh.update(chain)
+    pause = time.perf_counter() - started
+    session.failover_pauses_s.append(pause)
+    log.info("session %s: %s replaced by %s in %.3f s", session.id, failed, chain, pause)
+
+
+Replayed = tuple[list[Hop], list[list[torch.Tensor]]]  # a chain, and what each hop was sent
+
+
+async def _new_chain(
+    pipeline: Pipeline,
+    session: PipelineSession,
+    failed: Hop,
+    error: HopError,
+    find: Callable[[frozenset[NodeId]], Awaitable[Replayed]],
+) -> Replayed:
+    """Ban `failed`, then `find` a chain without the banned nodes and replay into it, as
+    often as the retry policy allows; a replacement that fails too is banned as well. When
+    no copy is left because every copy is full, the busy error (429) goes to the client."""
     last: MeshError = error
     await _ban(pipeline, session, failed, error)
     for attempt in range(pipeline.retry.max_attempts):
         try:
-            chain = await pipeline.routes.route(
-                pipeline.model,
-                failed.span.start,
-                failed.span.end,
-                frozenset(session.banned) | pipeline.checker.bans.active(),
-            )
-            inputs = await _replay(pipeline, session, k, chain)
+            return await find(frozenset(session.banned) | pipeline.checker.bans.active())
         except HopError as exc:  # a replacement failed too: ban it as well, try again
             last = exc
             if exc.hop is not None:
@@ -56,15 +80,6 @@ async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: 
             if isinstance(last, HopError) and last.busy:  # every copy is full: say so now
                 raise last from exc
             last = exc
-        else:
-            session.hops[k : k + 1] = chain
-            session.inputs[k : k + 1] = inputs
-            session.recount()
-            session.fresh.update(chain)
-            pause = time.perf_counter() - started
-            session.failover_pauses_s.append(pause)
-            log.info("session %s: %s replaced by %s in %.3f s", session.id, failed, chain, pause)
-            return
         if attempt + 1 < pipeline.retry.max_attempts:
             await asyncio.sleep(pipeline.retry.backoff_s(attempt))
     log.warning("session %s: no replacement for %s: %s", session.id, failed, last.message)
@@ -130,36 +145,20 @@ async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError)
     started, failed = time.perf_counter(), error.hop or session.hops[0]
     if not session.replayable:
         raise unreplayable(pipeline, error, "another route") from error
-    last: MeshError = error
-    await _ban(pipeline, session, failed, error)
-    for attempt in range(pipeline.retry.max_attempts):
-        exclude = frozenset(session.banned) | pipeline.checker.bans.active()
-        try:
-            hops = await pipeline.routes.route(
-                pipeline.model, pipeline.local.span.end, exclude=exclude
-            )
-            inputs = await _replay_route(pipeline, session, hops)
-        except HopError as exc:
-            last = exc
-            if exc.hop is not None:
-                await _ban(pipeline, session, exc.hop, exc)
-        except RouteError as exc:
-            if isinstance(last, HopError) and last.busy:
-                raise last from exc
-            last = exc
-        else:
-            for hop in set(session.hops) - set(hops):  # left behind: its cache goes too
-                _close_later(pipeline, hop, session)
-            session.hops, session.fresh = hops, set(hops)
-            session.inputs = inputs
-            session.recount()
-            session.failover_pauses_s.append(time.perf_counter() - started)
-            log.info("session %s: %s left; now on %s", session.id, failed, hops)
-            return
-        if attempt + 1 < pipeline.retry.max_attempts:
-            await asyncio.sleep(pipeline.retry.backoff_s(attempt))
-    log.warning("session %s: no route without %s: %s", session.id, failed, last.message)
-    raise last
+
+    async def route(exclude: frozenset[NodeId]) -> Replayed:
+        start = pipeline.local.span.end
+        hops = await pipeline.routes.route(pipeline.model, start, exclude=exclude)
+        return hops, await _replay_route(pipeline, session, hops)
+
+    hops, inputs = await _new_chain(pipeline, session, failed, error, route)
+    for hop in set(session.hops) - set(hops):  # left behind: its cache goes too
+        _close_later(pipeline, hop, session)
+    session.hops, session.fresh = hops, set(hops)
+    session.inputs = inputs
+    session.recount()
+    session.failover_pauses_s.append(time.perf_counter() - started)
+    log.info("session %s: %s left; now on %s", session.id, failed, hops)
 
 
 async def _replay_route(
