@@ -128,12 +128,7 @@ async def _replay(
         recorded.append([] if hidden is None else [hidden])
         if hidden is None:
             continue
-        outputs = []
-        chunks = split_prefill(hidden, 0, pipeline.wire.chunk_tokens)
-        for chunk in chunks:
-            meta = pipeline.meta_for(session.id, hop.span, chunk.position, chunk.index, chunk.total)
-            outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
-        hidden = torch.cat(outputs, dim=1)
+        hidden = await pipeline.replay(hop, session.id, hidden)
     return recorded
 
 

@@ -139,6 +139,15 @@ class Pipeline:
             )  # fmt: skip
         return FrameMeta(session, self.model, span, position, index, total)
 
+    async def replay(self, hop: Hop, session: SessionId, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [1, T, H] from position 0 through `hop` in wire chunks, relayed (a
+        replacement's replay, a spot check's re-run): its output [1, T, H]."""
+        outputs = []
+        for chunk in split_prefill(hidden, 0, self.wire.chunk_tokens):
+            meta = self.meta_for(session, hop.span, chunk.position, chunk.index, chunk.total)
+            outputs.append(await self.transport.forward(hop, meta, chunk.hidden))
+        return torch.cat(outputs, dim=1)
+
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
         span counts against its process's session limit like any hop's."""

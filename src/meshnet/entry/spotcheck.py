@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 import torch
 
 from meshnet.errors import HopError, RouteError
-from meshnet.types import Hop, LayerSpan, NodeId, Quant, SessionId
-from meshnet.wire import FrameMeta, split_prefill
+from meshnet.types import Hop, LayerSpan, NodeId, Quant
+from meshnet.wire import FrameMeta
 
 if TYPE_CHECKING:
     from meshnet.entry.pipeline import Pipeline
@@ -232,7 +232,7 @@ class SpotChecker:
         hidden = sample.inputs
         try:
             for hop in chain:
-                hidden = await _through(pipeline, hop, session, hidden)
+                hidden = await pipeline.replay(hop, session, hidden)
                 self.tokens_rerun += hidden.shape[1]
         except HopError as exc:  # that copy failed: not a verdict on anyone
             log.info("spot check of %s: copy %s failed: %s", sample.hop, exc.hop, exc.message)
@@ -266,16 +266,6 @@ async def copy_route(
 
 def host_of(address: str) -> str:
     return urlsplit(address).hostname or address
-
-
-async def _through(
-    pipeline: Pipeline, hop: Hop, session: SessionId, hidden: torch.Tensor
-) -> torch.Tensor:
-    outputs = []
-    for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
-        meta = pipeline.meta_for(session, hop.span, chunk.position, chunk.index, chunk.total)
-        outputs.append(await pipeline.transport.forward(hop, meta, chunk.hidden))
-    return torch.cat(outputs, dim=1)
 
 
 def _quant(chain: Sequence[Hop]) -> Quant | None:
