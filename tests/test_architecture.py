@@ -52,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
 # edges allowed only into these modules: the control-plane protocol, sizing from a config
 ONLY: dict[tuple[str, str], set[str]] = {
     ("node", "tracker"): {"meshnet.tracker.messages"},
+    ("entry", "tracker"): {"meshnet.tracker.messages"},  # never the tracker's internals
     ("tracker", "models"): {"meshnet.models.sizing", "meshnet.models.source"},
 }
 

@@ -38,7 +38,7 @@ from meshnet.config import (
     TrackerConfig,
 )
 from meshnet.entry.role import EntryRole, entry_span, load_entry_model
-from meshnet.entry.routes import RegistryRoutes
+from meshnet.entry.routes import hops_of
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
@@ -53,6 +53,7 @@ from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer, tracker_store
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.registry import Registry
+from meshnet.types import Hop, ModelId, NodeId
 from meshnet.weights.serve import UploadLimit, WeightServer
 from meshnet.weights.store import WeightStore
 
@@ -81,6 +82,29 @@ def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig
 def weight_server(config: TrackerConfig, store: WeightStore, registry: Registry) -> WeightServer:
     """What serves the tracker's GGUF models to members, within its upload limit."""
     return WeightServer(store, UploadLimit(config.weights_upload_bytes_s), registry.metrics)
+
+
+class RegistryRoutes:
+    """Routes from the registry of the tracker this entry node runs inside."""
+
+    def __init__(self, registry: Registry, rng: random.Random, origin: str | None = None) -> None:
+        self.registry = registry
+        self.rng = rng
+        self.origin = origin  # this entry's node id: routes count round trips from it
+
+    async def route(
+        self,
+        model: ModelId,
+        start: int,
+        end: int | None = None,
+        exclude: frozenset[NodeId] = frozenset(),
+    ) -> list[Hop]:
+        self.registry.expire()
+        route = views.route(self.registry, model, start, self.rng, end, exclude, self.origin)
+        return hops_of(route)
+
+    async def report(self, node: NodeId, reason: str) -> None:
+        self.registry.report(node, reason)
 
 
 def registry_directory(registry: Registry) -> Directory:

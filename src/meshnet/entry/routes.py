@@ -1,13 +1,12 @@
 """Where an entry node's frames go after its own span: the `RouteSource` seam.
 
-`TrackerRoutes` asks a tracker over HTTP; `RegistryRoutes` asks the registry in this process
-(tracker-as-node); `StaticRoutes` is the fake.
+`TrackerRoutes` asks a tracker over HTTP; `StaticRoutes` is the fake. (A tracker-as-node's
+entry asks the registry in its own process: `assemble.tracker.RegistryRoutes`.)
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -16,8 +15,6 @@ import httpx
 from meshnet.errors import MissingLayersError, RouteError, read_error
 from meshnet.node.agent import Membership
 from meshnet.tracker import messages as msg
-from meshnet.tracker import views
-from meshnet.tracker.registry import Registry
 from meshnet.types import Hop, ModelId, NodeId
 
 log = logging.getLogger(__name__)
@@ -90,29 +87,6 @@ def _route_error(response: httpx.Response) -> RouteError:
     if error.type == "MissingLayersError":
         return MissingLayersError(error.message, missing=[])
     return RouteError(error.message)
-
-
-class RegistryRoutes:
-    """Routes from the registry of the tracker this entry node runs inside."""
-
-    def __init__(self, registry: Registry, rng: random.Random, origin: str | None = None) -> None:
-        self.registry = registry
-        self.rng = rng
-        self.origin = origin  # this entry's node id: routes count round trips from it
-
-    async def route(
-        self,
-        model: ModelId,
-        start: int,
-        end: int | None = None,
-        exclude: frozenset[NodeId] = frozenset(),
-    ) -> list[Hop]:
-        self.registry.expire()
-        route = views.route(self.registry, model, start, self.rng, end, exclude, self.origin)
-        return hops_of(route)
-
-    async def report(self, node: NodeId, reason: str) -> None:
-        self.registry.report(node, reason)
 
 
 class StaticRoutes:
