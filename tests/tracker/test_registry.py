@@ -234,3 +234,15 @@ def test_holders_cover_the_most_of_a_span_then_carry_the_least_load() -> None:
         ],
     )
     assert [h.node_id for h in found] == ["idle", "busy", "half", "sick"]
+
+
+def test_the_weights_a_node_holds_follow_its_heartbeats() -> None:
+    reg = registry()
+    reg.digests = {ModelId("m"): DIGEST}
+    reg.register(request("a"))
+    by_digest = {DIGEST: ModelId("m")}
+    assert reg.nodes[NodeId("a")].view(by_digest).weights == frozenset()
+    reg.heartbeat(msg.HeartbeatRequest(node_id="a", loaded=loaded(reg, "a"), weights=[DIGEST]))
+    assert reg.nodes[NodeId("a")].view(by_digest).weights == {"m"}
+    reg.heartbeat(msg.HeartbeatRequest(node_id="a", loaded=loaded(reg, "a")))  # not said
+    assert reg.nodes[NodeId("a")].view(by_digest).weights == {"m"}

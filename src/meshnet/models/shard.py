@@ -12,7 +12,7 @@ from torch import nn
 from meshnet.models.device import to_host
 from meshnet.models.products import Int8Rows, int8_rows_of
 from meshnet.models.registry import Architecture
-from meshnet.types import LayerSpan
+from meshnet.types import LayerSpan, Quant
 
 
 def positions_for(hidden: torch.Tensor, position: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ class Shard:
     layers: nn.ModuleList
     extras: Any  # what the architecture's layers need besides the cache (rotary embedding)
     compute_dtype: torch.dtype
-    quant: str
+    quant: Quant
     fast: Any = None  # the architecture's fast path (ADR-0021), or None: the eager layers
     device: str = "cpu"  # where its weights, caches and compute live: "cpu" or "cuda:N"
 

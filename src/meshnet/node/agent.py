@@ -170,6 +170,7 @@ class NodeAgent:
             requests=finished,
             rtt_ms=self.service.peers.report_ms(),
             fetching=self.weights.states() if self.weights is not None else [],
+            weights=self.weights.digests() if self.weights is not None else None,
         )
         sent = time.perf_counter()
         response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))

@@ -167,6 +167,7 @@ class HeartbeatRequest(Message):
     # median round trips it measured (ms) to the tracker and to peers it sends frames to
     rtt_ms: dict[PeerName, RttMs] = Field(default={}, max_length=MAX_PEERS)
     fetching: list[FetchState] = Field(default=[], max_length=MAX_SHARDS)
+    weights: list[Digest] | None = Field(default=None, max_length=64)  # None: as registered
 
 
 class HeartbeatResponse(Message):

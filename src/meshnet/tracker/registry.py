@@ -65,6 +65,7 @@ class NodeRecord:
     peer: str = ""  # the address it registered from (for the per-address cap)
     refused: set[ModelId] = field(default_factory=set)  # its copy differs from the offered one
     fetching: list[msg.FetchState] = field(default_factory=list)  # at its last heartbeat
+    weights: frozenset[str] = frozenset()  # digests of models it holds parts of
 
     def view(self, by_digest: Mapping[str, ModelId] | None = None) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
@@ -83,7 +84,7 @@ class NodeRecord:
             keeps_entry=r.keeps_entry,
             sessions=self.sessions,
             refused=frozenset(self.refused),
-            weights=frozenset(by_digest[d] for d in r.weights if by_digest and d in by_digest),
+            weights=frozenset(by_digest[d] for d in self.weights if by_digest and d in by_digest),
         )
 
 
@@ -167,6 +168,7 @@ class Registry:
                 peer=address,
                 token=token_digest(token) if token else None,
                 pinned=set(loaded),
+                weights=frozenset(request.weights),
             )
             log.info(
                 "node %s registered at %s (%d bytes, %s%s)",
@@ -207,6 +209,8 @@ class Registry:
             record.failed |= failed
             record.refused |= {ModelId(f.shard.model) for f in beat.failed if f.refuses_model}
             record.fetching = list(beat.fetching)
+            if beat.weights is not None and frozenset(beat.weights) != record.weights:
+                record.weights, changed = frozenset(beat.weights), True
             record.sessions = beat.sessions
             record.queue_depth, record.step_s = beat.queue_depth, beat.step_s
             record.threads = beat.threads
