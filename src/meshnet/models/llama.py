@@ -2,7 +2,7 @@
 Qwen3 adds an RMSNorm over each query and key head, and may set its own head width).
 
 Sliding-window attention: Mistral's layers all attend over the last `sliding_window` tokens
-when its config sets one; Qwen2/Qwen3 mark such layers in `layer_types`. `layer_window`
+when its config sets one; Qwen2/Qwen3 mark such layers in `layer_types`. `shard.layer_window`
 reads a built layer's window, and every path masks by it.
 
 The layers are our own modules (`llama_layers.py`, op for op transformers'), so a node that
@@ -50,17 +50,6 @@ _GGUF_HEAD = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-
-
-def layer_window(layer: Any) -> int | None:
-    """The sliding window a built decoder layer attends over, None for full attention."""
-    window = layer.self_attn.sliding_window
-    return int(window) if window else None
-
-
-def kept_columns(mask: Any, cache: Any, layer: int) -> Any:
-    """`mask` [1, 1, T, end] over the keys layer `layer` of the eager `cache` still keeps."""
-    return mask if mask is None else mask[..., cache.start(layer) :]
 
 
 def _transformers_rotary(config: FamilyConfig) -> Any:
@@ -169,7 +158,7 @@ class LlamaFamily:
         return _transformers_rotary(config)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
-        from meshnet.models.shard import causal_mask, positions_for
+        from meshnet.models.shard import causal_mask, kept_columns, layer_window, positions_for
 
         embeddings = extras(hidden, position_ids=positions_for(hidden, position))  # [B, T, D] x2
         windows = [layer_window(x) for x in layers]

@@ -84,7 +84,7 @@ class FusedLayer:
 
 def fuse_layer(layer: Any, config: Any) -> FusedLayer | None:
     """The fused view of a Llama-style decoder layer, or None (nf4, or an unusual layer)."""
-    from meshnet.models.llama import layer_window
+    from meshnet.models.shard import layer_window
 
     attn, mlp = layer.self_attn, layer.mlp
     if mlp.act_fn.__class__.__name__ not in ("SiLU", "SiLUActivation"):

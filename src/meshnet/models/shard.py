@@ -20,6 +20,17 @@ def positions_for(hidden: torch.Tensor, position: int) -> torch.Tensor:
     return torch.arange(position, position + hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+def layer_window(layer: Any) -> int | None:
+    """The sliding window a built decoder layer attends over, None for full attention."""
+    window = layer.self_attn.sliding_window
+    return int(window) if window else None
+
+
+def kept_columns(mask: Any, cache: Any, layer: int) -> Any:
+    """`mask` [1, 1, T, end] over the keys layer `layer` of the eager `cache` still keeps."""
+    return mask if mask is None else mask[..., cache.start(layer) :]
+
+
 def causal_mask(
     hidden: torch.Tensor, position: int, window: int | None = None
 ) -> torch.Tensor | None:
