@@ -29,8 +29,9 @@ class ShardRunner(Protocol):
         ...
 
     def forward_many(self, frames: list[Frame]) -> list[Hidden | Failed]:
-        """Single-token frames of different sessions as one batch (`forward`'s contract for
-        each); a frame that is refused or fails gets its `Failed` and changes nothing."""
+        """Frames of different sessions (decode steps, prefill chunks) as one pass
+        (`forward`'s contract for each); a frame that is refused or fails gets its `Failed`
+        and changes nothing."""
         ...
 
     def drop(self, session: SessionId) -> bool:
