@@ -246,3 +246,18 @@ def test_the_weights_a_node_holds_follow_its_heartbeats() -> None:
     assert reg.nodes[NodeId("a")].view(by_digest).weights == {"m"}
     reg.heartbeat(msg.HeartbeatRequest(node_id="a", loaded=loaded(reg, "a")))  # not said
     assert reg.nodes[NodeId("a")].view(by_digest).weights == {"m"}
+
+
+def test_holders_are_found_among_the_first_that_serve_and_the_start_turns() -> None:
+    from meshnet.tracker.holders import SCAN
+
+    reg = registry()
+    reg.digests = {ModelId("m"): DIGEST}
+    for i in range(SCAN + 10):  # every one holds the span
+        name = f"n{i:03d}"
+        reg.register(request(name, budget_mb=400))
+        reg.nodes[NodeId(name)].loaded = {(ModelId("m"), LayerSpan(10, 20))}
+    directive = Directive("LOAD_SHARD", NodeId("new"), ModelId("m"), LayerSpan(10, 20), "a copy")
+    first = [h.node_id for h in reg.holders(directive)]
+    second = [h.node_id for h in reg.holders(directive)]
+    assert 0 < len(first) <= 8 and first != second  # another start: uploads spread

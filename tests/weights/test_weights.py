@@ -340,3 +340,10 @@ def test_a_holder_that_stalls_is_left_and_the_part_comes_from_another(
         parts = lambda m: m.span_parts(SPAN, entry=False)  # noqa: E731
         held = asyncio.run(fetcher.fetch(manifest.digest, parts))
     assert "node-slow" in fetcher.left and held.has(manifest.span_parts(SPAN, entry=False))
+
+
+def test_a_manifest_names_each_tensors_type_and_shape(manifest: Manifest) -> None:
+    index = read_gguf(default_gguf())
+    got = [(p.name, p.ggml_type, tuple(p.shape)) for p in manifest.parts[1:]]
+    assert got == [(t.name, int(t.tensor_type), tuple(t.shape)) for t in index.tensors]
+    assert manifest.parts[0].ggml_type is None and manifest.parts[0].shape == []

@@ -10,6 +10,7 @@ from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
 
 MAX_HOLDERS = 8
+SCAN = 4 * MAX_HOLDERS  # candidates ranked at most: the first that serve some of the span
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,14 @@ def overlap(a: LayerSpan, b: LayerSpan) -> int:
 
 
 def holders(span: LayerSpan, candidates: Iterable[Candidate]) -> list[msg.WeightHolder]:
-    """The nodes serving layers of `span`: healthy first, then the most of the span, then
-    least loaded, then by id; at most `MAX_HOLDERS`."""
+    """The nodes serving layers of `span`, of the first `SCAN` that do: healthy first, then
+    the most of the span, then least loaded, then by id; at most `MAX_HOLDERS`."""
     ranked = []
     for c in candidates:
         covered = max((overlap(span, s) for s in c.spans), default=0)
         if covered:
             ranked.append(((c.suspect, -covered, c.load, c.node_id), c))
+            if len(ranked) == SCAN:  # `candidates` may be lazy: look no further
+                break
     ranked.sort(key=lambda pair: pair[0])
     return [msg.WeightHolder(node_id=c.node_id, address=c.address) for _, c in ranked[:MAX_HOLDERS]]

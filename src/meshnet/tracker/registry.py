@@ -124,6 +124,7 @@ class Registry:
         self.dirty = False  # something changed since the last plan
         self.plans = 0  # plans run (tests and the churn benchmark count them)
         self._next_plan_s = float("-inf")  # clock time before which a due plan waits
+        self._turn = 0  # where the next scan for a span's weight holders starts
 
     @property
     def interval_s(self) -> float:
@@ -383,17 +384,17 @@ class Registry:
         )
 
     def holders(self, directive: Directive) -> list[msg.WeightHolder]:
-        """Whom the node told to load `directive`'s span may fetch its weights from."""
-        now, model = self.clock(), directive.model
-        candidates = [
+        """Whom the node told to load `directive`'s span may fetch its weights from: nodes
+        scanned from a turning start until `holders.SCAN` serve some of it (a big mesh)."""
+        model, now, records = directive.model, self.clock(), list(self.nodes.items())
+        if model not in self.digests:
+            return []
+        self._turn = (self._turn + 1) % max(1, len(records))
+        candidates = (
             Candidate(
-                node_id,
-                r.request.address,
-                frozenset(s for m, s in r.loaded if m == model),
-                r.sessions + r.queue_depth,
-                r.reports.agreed(now),
+                n, r.request.address, spans, r.sessions + r.queue_depth, r.reports.agreed(now)
             )
-            for node_id, r in self.nodes.items()
-            if node_id != directive.node_id
-        ]
-        return holders(directive.span, candidates) if model in self.digests else []
+            for n, r in records[self._turn :] + records[: self._turn]
+            if n != directive.node_id and (spans := frozenset(s for m, s in r.loaded if m == model))
+        )
+        return holders(directive.span, candidates)

@@ -179,8 +179,9 @@ class Fetcher:
                     holder.name,
                     part.name,
                 )
+                reported = holder.name in self.left  # by another worker, at the same time
                 self.left.add(holder.name)
-                if self.report is not None:
+                if self.report is not None and not reported:
                     await self.report(holder, f"sent weights that fail their hash ({part.name})")
             except (httpx.HTTPError, _Refused) as exc:
                 errors.append(f"{holder.name}: {exc or type(exc).__name__}")
@@ -197,10 +198,9 @@ class Fetcher:
     ) -> None:
         digest, got = hashlib.sha256(), 0
         target = f"/v1/weights/{held.manifest.digest}/parts/{quote(part.name, safe='')}"
-        while got < part.nbytes or part.nbytes == 0:
+        while got < part.nbytes:  # an empty part has nothing to fetch
             end = min(part.nbytes, got + RANGE_BYTES)
-            headers = {"Range": f"bytes={got}-{end - 1}"} if part.nbytes else {}
-            response = await self._get(client, holder, target, headers)
+            response = await self._get(client, holder, target, {"Range": f"bytes={got}-{end - 1}"})
             if response.status_code == 404:
                 raise _Refused(f"does not hold {part.name}")
             response.raise_for_status()
@@ -211,8 +211,6 @@ class Fetcher:
             await asyncio.to_thread(self.store.write, held, part.offset + got, data)
             got = end
             self._advance(holder, len(data), task)
-            if part.nbytes == 0:
-                break
         if digest.hexdigest() != part.sha256:
             raise _BadBytes(f"part {part.name} fails its hash")
         self.checked.append(part)

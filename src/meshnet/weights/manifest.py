@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -43,6 +43,9 @@ class Part(BaseModel):
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
     sha256: str = Field(pattern=DIGEST_PATTERN)
+    # a tensor's GGML type and shape (GGUF order); the header has neither
+    ggml_type: int | None = Field(default=None, ge=0, le=1024)
+    shape: list[int] = Field(default=[], max_length=8)
 
     @property
     def end(self) -> int:
@@ -114,35 +117,25 @@ def parse_manifest(body: bytes, digest: str) -> Manifest:
 def make_manifest(path: Path, task: Task | None = None) -> Manifest:
     """The manifest of the GGUF file at `path`: one read of every byte (hashing)."""
     index = read_gguf(path)
-    ranges = [(HEADER, 0, index.data_start)] + [(t.name, t.offset, t.nbytes) for t in index.tensors]
+    parts = [Part(name=HEADER, offset=0, nbytes=index.data_start, sha256="0" * 64)] + [
+        Part(
+            name=t.name,
+            offset=t.offset,
+            nbytes=t.nbytes,
+            sha256="0" * 64,
+            ggml_type=int(t.tensor_type),
+            shape=list(t.shape),
+        )
+        for t in index.tensors
+    ]
     if task is not None:
-        task.update(0, sum(n for _, _, n in ranges))
+        task.update(0, sum(p.nbytes for p in parts))
     with path.open("rb") as f:
-        parts = [
-            Part(
-                name=name, offset=offset, nbytes=nbytes, sha256=hash_range(f, offset, nbytes, task)
-            )
-            for name, offset, nbytes in ranges
+        hashed = [
+            p.model_copy(update={"sha256": pread_hash(f.fileno(), p.offset, p.nbytes, task)})
+            for p in parts
         ]
-    return Manifest(file_bytes=path.stat().st_size, parts=parts)
-
-
-def hash_range(f: BinaryIO, offset: int, nbytes: int, task: Task | None = None) -> str:
-    """SHA-256 of `nbytes` bytes of `f` from `offset`, read `READ_BYTES` at a time."""
-    digest = hashlib.sha256()
-    f.seek(offset)
-    left = nbytes
-    while left:
-        chunk = f.read(min(left, READ_BYTES))
-        if not chunk:
-            raise WeightsError(
-                f"{getattr(f, 'name', 'the file')} ends before byte {offset + nbytes}"
-            )
-        digest.update(chunk)
-        left -= len(chunk)
-        if task is not None:
-            task.advance(len(chunk))
-    return digest.hexdigest()
+    return Manifest(file_bytes=path.stat().st_size, parts=hashed)
 
 
 def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
@@ -172,9 +165,9 @@ def verify(path: Path, manifest: Manifest, parts: Iterable[Part]) -> None:
         )
 
 
-def pread_hash(fd: int, offset: int, nbytes: int) -> str:
-    """SHA-256 of `nbytes` bytes of the open file `fd` from `offset` (threads may share `fd`:
-    no seek; hashlib lets go of the GIL while it hashes)."""
+def pread_hash(fd: int, offset: int, nbytes: int, task: Task | None = None) -> str:
+    """SHA-256 of `nbytes` bytes of the open file `fd` from `offset`, read `READ_BYTES` at a
+    time (threads may share `fd`: no seek; hashlib lets go of the GIL while it hashes)."""
     digest = hashlib.sha256()
     done = 0
     while done < nbytes:
@@ -183,4 +176,6 @@ def pread_hash(fd: int, offset: int, nbytes: int) -> str:
             raise WeightsError(f"the file ends before byte {offset + nbytes}")
         digest.update(chunk)
         done += len(chunk)
+        if task is not None:
+            task.advance(len(chunk))
     return digest.hexdigest()

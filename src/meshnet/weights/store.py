@@ -78,7 +78,7 @@ class WeightStore:
 
     def manifest_of(self, path: Path) -> Manifest:
         """The manifest of the local file at `path`, made once and kept beside our records."""
-        kept = self.root / "manifests" / f"{file_key(path)}.json"
+        kept = self.root / "manifests" / f"v2-{file_key(path)}.json"  # v2: types and shapes
         if kept.exists():
             try:
                 return Manifest.model_validate_json(kept.read_bytes())
