@@ -96,6 +96,34 @@ def test_imports_between_parts_go_only_the_allowed_directions() -> None:
     assert set(ALLOWED) == {part_of(p) for p in SRC.rglob("*.py")} - {"__init__"}
 
 
+def import_cycles(part: str) -> list[list[str]]:
+    """Cycles among the modules of `part`, counting every import (type-only ones too): each
+    as the list of modules around it."""
+    modules = {f"meshnet.{part}.{p.stem}": p for p in (SRC / part).glob("*.py")}
+    edges = {m: meshnet_imports(p) & modules.keys() for m, p in modules.items()}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(edges[module]):
+            if target in path:
+                cycles.append(path[path.index(target) :])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(modules):
+        if module not in done:
+            visit(module, [module])
+    return cycles
+
+
+@pytest.mark.parametrize("part", ["entry", "node", "tracker", "weights", "wire"])
+def test_no_import_cycles_inside_a_part(part: str) -> None:
+    """Issue #49: failover, prefill and spot checks were Pipeline methods kept elsewhere,
+    importing it back; they build on `entry/hops.py` now, and no part may grow a cycle."""
+    assert not import_cycles(part)
+
+
 def test_the_roles_do_not_import_each_other_backwards() -> None:
     """Spelled out, as the table above allows: nothing imports the entry role but the roots,
     the node never imports the entry or the API, the API never the entry or the node."""

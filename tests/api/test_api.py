@@ -182,7 +182,7 @@ class FailingRunner(EchoRunner):
 
 def test_missing_layers_is_503_naming_them() -> None:
     generator, _, runners = fake_mesh()
-    generator.pipeline.routes = NoRoute()  # type: ignore[assignment]
+    generator.pipeline.hops.routes = NoRoute()  # type: ignore[assignment]
     response = post(create_app({"fake": generator}), "/v1/completions", COMPLETION)
     assert response.status_code == 503
     assert "4:6" in response.json()["error"]["message"]

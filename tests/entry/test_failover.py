@@ -64,14 +64,14 @@ def test_output_equals_the_failure_free_run(address: str, position: int) -> None
     assert [h.node_id for h in end.route][1:] == (
         ["node-a2", "node-b"] if address == "a" else ["node-a", "node-b2"]
     )
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == [f"node-{address}"]
     assert all(r.session_count() == 0 for name, r in runners.items() if name != address)
 
 
 def test_replacement_failing_too_is_banned_and_the_next_one_used() -> None:
     generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes)
     routes.hops.append(routes.hops[3].__class__("node-b3", "b3", routes.hops[3].span))  # type: ignore[arg-type]
     runners["b3"] = runners["b"].__class__(runners["b"].model, runners["b"].span)
@@ -105,14 +105,14 @@ def test_a_hop_refusing_a_frame_we_built_is_that_hops_failure(status: int) -> No
     transport.before_frame = refuse
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free() and len(end.failover_pauses_s) == 1
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
 
 
 def test_tracker_outage_keeps_open_sessions_going_and_routes_come_back() -> None:
     """Open sessions hold their routes; new ones need the tracker, and get it when it is back."""
     generator, _, _ = fake_mesh()
-    static = generator.pipeline.routes
+    static = generator.pipeline.hops.routes
     assert isinstance(static, StaticRoutes)
     down = {"now": False}
 
@@ -130,7 +130,7 @@ def test_tracker_outage_keeps_open_sessions_going_and_routes_come_back() -> None
         return httpx.Response(200, json={"model": "fake", "hops": hops})
 
     client = httpx.AsyncClient(transport=httpx.MockTransport(tracker), base_url="http://tracker")
-    generator.pipeline.routes = TrackerRoutes(client)
+    generator.pipeline.hops.routes = TrackerRoutes(client)
 
     async def go() -> tuple[str, str]:
         stream = generator.stream([97], PARAMS)
@@ -179,7 +179,7 @@ def test_non_finite_activations_are_that_hops_failure(position: int, value: floa
     assert text == failure_free()  # nothing of the garbage reached the user
     assert len(end.failover_pauses_s) == 1
     assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
 
 
@@ -200,7 +200,7 @@ def test_a_hop_at_its_limit_is_skipped_for_another_copy_without_reporting_it() -
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free()
     assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == []  # busy is not failing
 
 
@@ -223,13 +223,13 @@ def test_a_session_past_its_replay_budget_fails_clearly_instead_of_failing_over(
     at 8,192 tokens and H 8,192). Past the budget the session gives its inputs up; a hop
     failure then ends it with a message saying why, and within it the output is unchanged."""
     generator, transport, runners = fake_mesh(chunk_tokens=16, replicas=True)
-    generator.pipeline.max_replay_bytes = 1024  # ~ 40 tokens of H 8 at bf16, per hop
+    generator.pipeline.hops.max_replay_bytes = 1024  # ~ 40 tokens of H 8 at bf16, per hop
     kill_at(transport, "a", 55)
     with pytest.raises(HopError, match="replay budget of 1024 bytes"):
         run(collect(generator, PROMPT, PARAMS))
     assert all(r.session_count() == 0 for name, r in runners.items() if name != "a")
     generous, transport, _ = fake_mesh(chunk_tokens=16, replicas=True)
-    generous.pipeline.max_replay_bytes = 1 << 20
+    generous.pipeline.hops.max_replay_bytes = 1 << 20
     kill_at(transport, "a", 55)
     assert run(collect(generous, PROMPT, PARAMS))[0] == failure_free()
 
@@ -247,7 +247,7 @@ def test_a_hop_that_no_longer_serves_the_layers_is_skipped_but_not_reported() ->
     transport.before_frame = moved
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free() and len(end.failover_pauses_s) == 1
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == []  # still routable
 
 

@@ -72,7 +72,7 @@ def test_an_answer_of_another_shape_is_that_hops_failure(twist: Twist) -> None:
     text, end = run(collect(generator, PROMPT, PARAMS))
     assert text == failure_free()  # neither the next hop nor the head saw the bad answer
     assert [h.node_id for h in end.route][1:] == ["node-a2", "node-b"]
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
 
 

@@ -65,7 +65,7 @@ def test_new_sessions_avoid_a_hop_slower_than_its_copies() -> None:
     slowed(transport, "a", 0.05)
     _, first = run(collect(generator, PROMPT, PARAMS))
     assert [h.node_id for h in first.route][1:] == ["node-a", "node-b"]
-    latencies = generator.pipeline.latencies
+    latencies = generator.pipeline.hops.latencies
     assert latencies.seen[("node-a", A)].mean_s >= 0.05
     for _ in range(10):  # what earlier sessions through the other copy measured
         latencies.record(Hop(NodeId("node-a2"), "a2", A), 0.001)
@@ -75,7 +75,7 @@ def test_new_sessions_avoid_a_hop_slower_than_its_copies() -> None:
 
 def test_a_slow_hop_with_no_other_copy_still_serves() -> None:
     generator, transport, _ = fake_mesh(chunk_tokens=16, replicas=False)
-    latencies = generator.pipeline.latencies
+    latencies = generator.pipeline.hops.latencies
     for _ in range(10):
         latencies.record(Hop(NodeId("node-a"), "a", A), 1.0)
         latencies.record(Hop(NodeId("node-x"), "x", A), 0.001)  # a copy gone since

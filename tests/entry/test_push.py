@@ -10,9 +10,10 @@ from typing import Any, cast
 import pytest
 
 from meshnet.config import EntryConfig, WireConfig, WireLimits
+from meshnet.entry.bans import Bans
 from meshnet.entry.role import make_generator
 from meshnet.entry.routes import StaticRoutes
-from meshnet.entry.spotcheck import Bans, SpotChecker
+from meshnet.entry.spotcheck import SpotChecker
 from meshnet.entry.transport import InProcessTransport
 from meshnet.node.app import NodeService
 from tests.conftest import run
@@ -54,7 +55,7 @@ def moved_off(generator: Any, end: Any, runners: dict[str, Any], address: str) -
     assert len(end.failover_pauses_s) == 1
     hops = [h.node_id for h in end.route][1:]
     assert f"node-{address}" not in hops and len(hops) == 2
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == [f"node-{address}"]
     assert all(r.session_count() == 0 for name, r in runners.items() if name != address)
 
@@ -63,7 +64,7 @@ def test_an_entry_that_spot_checks_relays() -> None:
     checker = SpotChecker(0.5, random.Random(0), Bans(ban_s=60.0))
     generator, transport, _ = fake_mesh(chunk_tokens=16, push=True, spot_checker=checker)
     run(collect(generator, PROMPT, PARAMS))
-    assert transport.pushes == 0 and not generator.pipeline.push
+    assert transport.pushes == 0 and not generator.pipeline.hops.push
 
 
 def test_an_entry_without_the_swarm_key_relays() -> None:
@@ -81,4 +82,4 @@ def test_an_entry_without_the_swarm_key_relays() -> None:
     built = make_generator(
         cast(Any, model), service, StaticRoutes([]), InProcessTransport({}), config
     )
-    assert not built.pipeline.push
+    assert not built.pipeline.hops.push

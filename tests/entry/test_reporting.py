@@ -49,7 +49,7 @@ def test_a_request_that_fails_is_summarised_with_the_error() -> None:
     ) -> list[object]:
         raise RouteError("no node serves layers 4:6 of m")
 
-    generator.pipeline.routes.route = no_route  # type: ignore[method-assign,assignment]
+    generator.pipeline.hops.routes.route = no_route  # type: ignore[method-assign,assignment]
     with pytest.raises(RouteError):
         run(collect(generator, "abc", GenerationParams(5, (), GREEDY)))
     (summary,) = ended

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from meshnet.entry.bans import Bans
+from meshnet.entry.hops import Hops
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import (
-    Bans,
     SpotChecker,
     copy_route,
     outliers,
@@ -19,7 +19,7 @@ from meshnet.entry.spotcheck import (
 )
 from meshnet.errors import MissingLayersError
 from meshnet.node.runner import EchoRunner
-from meshnet.types import Hop, LayerSpan, NodeId, Quant
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId, Quant
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 from tests.entry.test_failover import PARAMS, PROMPT, failure_free
@@ -126,7 +126,7 @@ def test_a_lying_copy_is_banned_reported_and_routed_around() -> None:
     transport.runners = runners
     checked_run(generator, checker)
     assert checker.bans.active() == {"node-b"}
-    routes = generator.pipeline.routes
+    routes = generator.pipeline.hops.routes
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-b"]
     assert generator.pipeline.metrics.spot_checks.labels("mismatch")._value.get() >= 1
     _, end = run(collect(generator, PROMPT, PARAMS))  # the next request avoids it
@@ -156,9 +156,9 @@ def test_a_copy_is_drawn_from_another_host_when_there_is_one() -> None:
     span = LayerSpan(4, 6)
     same = [Hop(NodeId(f"x{i}"), f"http://10.0.0.1:{i}", span) for i in (1, 2)]
     other = Hop(NodeId("y"), "http://10.0.0.2:1", span)
-    pipeline = SimpleNamespace(model="m", routes=StaticRoutes([*same, other]))
-    found = run(copy_route(pipeline, span, frozenset({NodeId("x1")}), frozenset({"10.0.0.1"})))  # type: ignore[arg-type]
+    hops = Hops(ModelId("m"), 0, StaticRoutes([*same, other]), None)  # type: ignore[arg-type]
+    found = run(copy_route(hops, span, frozenset({NodeId("x1")}), frozenset({"10.0.0.1"})))  # type: ignore[arg-type]
     assert found == [other]
-    alone = SimpleNamespace(model="m", routes=StaticRoutes(same))  # no other host: any copy
+    alone = Hops(ModelId("m"), 0, StaticRoutes(same), None)  # type: ignore[arg-type]  # any copy
     fallback = run(copy_route(alone, span, frozenset({NodeId("x1")}), frozenset({"10.0.0.1"})))  # type: ignore[arg-type]
     assert fallback == [same[1]]

@@ -1,6 +1,7 @@
 """Replacing a failed hop mid-generation, so the user sees a pause and nothing else.
 
-When a hop fails (unreachable, timed out, 5xx, or its cache is gone), the entry node bans it
+`through` sends a chunk along a session's route (`Hops`), relayed or pushed. When a hop
+fails (unreachable, timed out, 5xx, or its cache is gone), the entry node bans it
 for the session, reports it to the tracker, asks for a chain covering exactly the failed span
 without banned nodes, replays into that chain everything the failed hop had been sent (its
 inputs, kept by the session), and puts the chain in its place. The caller then re-sends the
@@ -18,33 +19,58 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from meshnet.entry.hops import Hops
+from meshnet.entry.session import PipelineSession
 from meshnet.errors import HopError, MeshError, RouteError
 from meshnet.types import Hop, NodeId
-from meshnet.wire import split_prefill
-
-if TYPE_CHECKING:
-    from meshnet.entry.pipeline import Pipeline
-    from meshnet.entry.session import PipelineSession
+from meshnet.wire.tensors import TensorChunk
 
 log = logging.getLogger(__name__)
 
 
-async def failover(pipeline: Pipeline, session: PipelineSession, k: int, error: HopError) -> None:
+async def through(hops: Hops, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
+    """One chunk through every remote hop of the session's route in order, relayed or
+    pushed; the last hop's output. A hop that fails is replaced and the chunk goes again."""
+    if hops.push and len(session.hops) > 1:
+        return await _pushed(hops, session, chunk)
+    hidden, k = chunk.hidden, 0
+    while k < len(session.hops):
+        try:
+            out = await hops.send(session, k, chunk, hidden)
+        except HopError as exc:  # whatever it was, another copy of the span may take it
+            await failover(hops, session, k, exc)
+            hops.metrics.failovers.inc()
+            continue
+        hidden, k = out, k + 1
+    return hidden
+
+
+async def _pushed(hops: Hops, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
+    """`chunk` pushed through the whole route (ADR-0034); a failed step moves the session to
+    a new route, replayed from what the first hop was sent, and the chunk goes again."""
+    while True:
+        try:
+            return await hops.push_through(session, chunk)
+        except HopError as exc:
+            await reroute(hops, session, exc)
+            hops.metrics.failovers.inc()
+
+
+async def failover(hops: Hops, session: PipelineSession, k: int, error: HopError) -> None:
     """Replace `session.hops[k]`, which just failed with `error`; raises when nothing can."""
     started, failed = time.perf_counter(), session.hops[k]
     if not session.replayable:  # nothing to rebuild a replacement's cache from
-        raise unreplayable(pipeline, error, "another copy") from error
+        raise unreplayable(hops, error, "another copy") from error
 
     async def replacement(exclude: frozenset[NodeId]) -> Replayed:
         span = failed.span
-        chain = await pipeline.routes.route(pipeline.model, span.start, span.end, exclude)
-        return chain, await _replay(pipeline, session, k, chain)
+        chain = await hops.route(span.start, span.end, exclude)
+        return chain, await _replay(hops, session, k, chain)
 
-    chain, inputs = await _new_chain(pipeline, session, failed, error, replacement)
+    chain, inputs = await _new_chain(hops, session, failed, error, replacement)
     session.hops[k : k + 1] = chain
     session.inputs[k : k + 1] = inputs
     session.recount()
@@ -58,7 +84,7 @@ Replayed = tuple[list[Hop], list[list[torch.Tensor]]]  # a chain, and what each 
 
 
 async def _new_chain(
-    pipeline: Pipeline,
+    hops: Hops,
     session: PipelineSession,
     failed: Hop,
     error: HopError,
@@ -68,47 +94,47 @@ async def _new_chain(
     often as the retry policy allows; a replacement that fails too is banned as well. When
     no copy is left because every copy is full, the busy error (429) goes to the client."""
     last: MeshError = error
-    await _ban(pipeline, session, failed, error)
-    for attempt in range(pipeline.retry.max_attempts):
+    await _ban(hops, session, failed, error)
+    for attempt in range(hops.retry.max_attempts):
         try:
-            return await find(frozenset(session.banned) | pipeline.checker.bans.active())
+            return await find(frozenset(session.banned) | hops.bans.active())
         except HopError as exc:  # a replacement failed too: ban it as well, try again
             last = exc
             if exc.hop is not None:
-                await _ban(pipeline, session, exc.hop, exc)
+                await _ban(hops, session, exc.hop, exc)
         except RouteError as exc:
             if isinstance(last, HopError) and last.busy:  # every copy is full: say so now
                 raise last from exc
             last = exc
-        if attempt + 1 < pipeline.retry.max_attempts:
-            await asyncio.sleep(pipeline.retry.backoff_s(attempt))
+        if attempt + 1 < hops.retry.max_attempts:
+            await asyncio.sleep(hops.retry.backoff_s(attempt))
     log.warning("session %s: no replacement for %s: %s", session.id, failed, last.message)
     raise last
 
 
-def unreplayable(pipeline: Pipeline, error: HopError, where: str) -> HopError:
+def unreplayable(hops: Hops, error: HopError, where: str) -> HopError:
     """The error ending a session that kept no replay inputs: it cannot move to `where`."""
     return HopError(
         f"{error.message}; this session's inputs passed the entry's replay budget of "
-        f"{pipeline.max_replay_bytes} bytes, so it cannot move to {where}",
+        f"{hops.max_replay_bytes} bytes, so it cannot move to {where}",
         status=error.status,
         hop=error.hop,
     )
 
 
-async def _ban(pipeline: Pipeline, session: PipelineSession, hop: Hop, error: HopError) -> None:
+async def _ban(hops: Hops, session: PipelineSession, hop: Hop, error: HopError) -> None:
     """Leave `hop` out of this session; tell the tracker unless it was only busy (429) or
     no longer serves those layers (a stale route: it is healthy, and may serve others)."""
     session.banned.add(hop.node_id)
     if not error.busy and not error.stale and not error.reported:
-        await pipeline.routes.report(hop.node_id, str(error))
+        await hops.report(hop.node_id, str(error))
     # in case it is alive after all; in the background, so that a hung hop (which may take the
     # close call's whole timeout) does not lengthen the pause
-    _close_later(pipeline, hop, session)
+    _close_later(hops, hop, session)
 
 
-def _close_later(pipeline: Pipeline, hop: Hop, session: PipelineSession) -> None:
-    closing = asyncio.ensure_future(pipeline.transport.close_session(hop, session.id))
+def _close_later(hops: Hops, hop: Hop, session: PipelineSession) -> None:
+    closing = asyncio.ensure_future(hops.close(hop, session.id))
     _closing.add(closing)
     closing.add_done_callback(_closing.discard)
 
@@ -117,57 +143,52 @@ _closing: set[asyncio.Future[None]] = set()  # close calls in flight (a task nee
 
 
 async def _replay(
-    pipeline: Pipeline, session: PipelineSession, k: int, chain: list[Hop]
+    hops: Hops, session: PipelineSession, k: int, chain: list[Hop]
 ) -> list[list[torch.Tensor]]:
     """Send the failed hop's past inputs through `chain`; the inputs each new hop was sent."""
     pieces = session.inputs[k]
     hidden = torch.cat(pieces, dim=1) if pieces else None
     recorded: list[list[torch.Tensor]] = []
     for hop in chain:
-        await pipeline.transport.close_session(hop, session.id)  # start from an empty cache
+        await hops.close(hop, session.id)  # start from an empty cache
         recorded.append([] if hidden is None else [hidden])
         if hidden is None:
             continue
-        hidden = await pipeline.replay(hop, session.id, hidden)
+        hidden = await hops.replay(hop, session.id, hidden)
     return recorded
 
 
-async def reroute(pipeline: Pipeline, session: PipelineSession, error: HopError) -> None:
+async def reroute(hops: Hops, session: PipelineSession, error: HopError) -> None:
     """Move a session to a new route after `error` (a pushed step, ADR-0034, or a pipelined
     prefill, ADR-0036): ban the hop it names, ask for a route from the entry's span on, and
     replay into it what the first hop was sent (the entry's own outputs: all a pushed session
     keeps). Raises when nothing can."""
     started, failed = time.perf_counter(), error.hop or session.hops[0]
     if not session.replayable:
-        raise unreplayable(pipeline, error, "another route") from error
+        raise unreplayable(hops, error, "another route") from error
 
     async def route(exclude: frozenset[NodeId]) -> Replayed:
-        start = pipeline.local.span.end
-        hops = await pipeline.routes.route(pipeline.model, start, exclude=exclude)
-        return hops, await _replay_route(pipeline, session, hops)
+        chain = await hops.route(hops.start, exclude=exclude)
+        return chain, await _replay_route(hops, session, chain)
 
-    hops, inputs = await _new_chain(pipeline, session, failed, error, route)
-    for hop in set(session.hops) - set(hops):  # left behind: its cache goes too
-        _close_later(pipeline, hop, session)
-    session.hops, session.fresh = hops, set(hops)
+    chain, inputs = await _new_chain(hops, session, failed, error, route)
+    for hop in set(session.hops) - set(chain):  # left behind: its cache goes too
+        _close_later(hops, hop, session)
+    session.hops, session.fresh = chain, set(chain)
     session.inputs = inputs
     session.recount()
     session.failover_pauses_s.append(time.perf_counter() - started)
-    log.info("session %s: %s left; now on %s", session.id, failed, hops)
+    log.info("session %s: %s left; now on %s", session.id, failed, chain)
 
 
 async def _replay_route(
-    pipeline: Pipeline, session: PipelineSession, hops: list[Hop]
+    hops: Hops, session: PipelineSession, chain: list[Hop]
 ) -> list[list[torch.Tensor]]:
-    """Empty `hops`' caches of the session, then send them what its first hop was sent,
+    """Empty `chain`'s caches of the session, then send them what its first hop was sent,
     pushed or (an entry that relays) relayed; the inputs each hop keeps for replay."""
-    if not pipeline.push or len(hops) == 1:
-        return await _replay(pipeline, session, 0, hops)
-    await asyncio.gather(*(pipeline.transport.close_session(h, session.id) for h in hops))
+    if not hops.push or len(chain) == 1:
+        return await _replay(hops, session, 0, chain)
+    await asyncio.gather(*(hops.close(h, session.id) for h in chain))
     if session.inputs[0]:
-        hidden = torch.cat(session.inputs[0], dim=1)
-        for chunk in split_prefill(hidden, 0, pipeline.wire.chunk_tokens):
-            span = hops[0].span
-            meta = pipeline.meta_for(session.id, span, chunk.position, chunk.index, chunk.total)
-            await pipeline.transport.push(hops, meta, chunk.hidden)
-    return [session.inputs[0], *([] for _ in hops[1:])]
+        await hops.replay_pushed(chain, session.id, torch.cat(session.inputs[0], dim=1))
+    return [session.inputs[0], *([] for _ in chain[1:])]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
@@ -21,21 +19,19 @@ import torch
 
 from meshnet.config import EntryConfig, WireConfig
 from meshnet.entry import prefill
-from meshnet.entry.failover import failover, reroute
-from meshnet.entry.latency import HopLatencies
+from meshnet.entry.failover import through
+from meshnet.entry.hops import AnswerCheck, Hops
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.session import PipelineSession
-from meshnet.entry.spotcheck import Bans, SpotChecker
 from meshnet.entry.transport import Transport
-from meshnet.errors import HopError, RouteError
 from meshnet.node.executor import Executor
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, SessionKeys
-from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
-from meshnet.wire import FrameMeta, split_prefill
-from meshnet.wire.tensors import TensorChunk, as_tensor
+from meshnet.types import Hop, ModelId, NodeId
+from meshnet.wire import split_prefill
+from meshnet.wire.tensors import as_tensor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,13 +58,6 @@ def tail(logits: torch.Tensor, rows: int) -> torch.Tensor:
     return logits[-1] if rows == 1 else logits
 
 
-def banned(hop: Hop) -> HopError:
-    """Why a session leaves a hop a spot check banned (the check reported it already)."""
-    error = HopError(f"hop {hop} failed a spot check", status=None, hop=hop)
-    error.reported = True
-    return error
-
-
 class Pipeline:
     """Feeds token ids through the entry's span and a route of remote hops."""
 
@@ -86,7 +75,7 @@ class Pipeline:
         config: EntryConfig = EntryConfig(),
         *,
         metrics: Metrics | None = None,
-        spot_checker: SpotChecker | None = None,
+        spot_checker: AnswerCheck | None = None,
         local_chunk_tokens: int = 2048,
         keys: SessionKeys = PROCESS_KEYS,
     ) -> None:
@@ -100,53 +89,20 @@ class Pipeline:
         self.head = head
         self.local = local
         self.executor = executor
-        self.routes = routes
-        self.transport = transport
+        self.metrics = metrics or Metrics()
+        # the remote hops: routes, frames, replays, reports; spot checks see their answers
+        self.hops = Hops(
+            model, local.span.end, routes, transport, wire, config,
+            checker=spot_checker, metrics=self.metrics, keys=keys,
+        )  # fmt: skip
         self.wire = wire
         self.local_chunk_tokens = local_chunk_tokens
         # a prompt of several chunks overlaps across the hops (ADR-0036); the entry's span
         # runs it in pieces of this many tokens, each sent on as soon as it is done
         self.pipelined_prefill = config.pipelined_prefill
         self.prefill_piece_tokens = config.prefill_piece_tokens
-        self.retry = config.retry
         self.step_wait_s = config.step_wait_s  # see `EntryConfig.step_wait_s`
-        self.max_replay_bytes = config.max_replay_bytes  # per session, for failover
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
-        self.metrics = metrics or Metrics()
-        # re-runs a sample of hop answers on other copies; its bans keep nodes out of routes
-        self.checker = spot_checker or SpotChecker(0.0, random.Random(0), Bans(ban_s=0.0))
-        self.latencies = HopLatencies()  # decode frames timed per hop: slow ones avoided
-        # hops send their outputs on themselves (ADR-0034); spot checks need every hop's
-        # answer, so an entry that checks relays
-        self.push = config.push and self.checker.rate == 0.0
-        if config.push and not self.push:
-            log.warning("spot checks need every hop's answer: relaying (push needs rate 0)")
-
-    def meta_for(
-        self,
-        session: PipelineSession | SessionId,
-        span: LayerSpan,
-        position: int,
-        index: int = 0,
-        total: int = 1,
-    ) -> FrameMeta:
-        """A frame of this pipeline's model: a live session's carries its rewind and fork
-        flags; a replay's (a bare session id) neither."""
-        if isinstance(session, PipelineSession):
-            return FrameMeta(
-                session.id, self.model, span, position, index, total,
-                session.rewinding, session.forking,
-            )  # fmt: skip
-        return FrameMeta(session, self.model, span, position, index, total)
-
-    async def replay(self, hop: Hop, session: SessionId, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden` [1, T, H] from position 0 through `hop` in wire chunks, relayed (a
-        replacement's replay, a spot check's re-run): its output [1, T, H]."""
-        outputs = []
-        for chunk in split_prefill(hidden, 0, self.wire.chunk_tokens):
-            meta = self.meta_for(session, hop.span, chunk.position, chunk.index, chunk.total)
-            outputs.append(await self.transport.forward(hop, meta, chunk.hidden))
-        return torch.cat(outputs, dim=1)
 
     async def open(self) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
@@ -155,7 +111,7 @@ class Pipeline:
         self.executor.admit_session(session)
         start = self.local.span.end
         try:
-            hops = await self._route(start) if start < self.num_layers else []
+            hops = await self.hops.fresh_route() if start < self.num_layers else []
         except BaseException:
             self.executor.admitted(session)
             raise
@@ -168,18 +124,6 @@ class Pipeline:
         child = self.keys.child_id(parent.id)
         self.executor.admit_session(child)
         return parent.fork(child)
-
-    async def _route(self, start: int) -> list[Hop]:
-        """A route from `start` without banned nodes, and without slow ones when there is
-        one without them."""
-        banned = self.checker.bans.active()
-        slow = self.latencies.slow() - banned
-        if slow:
-            try:
-                return await self.routes.route(self.model, start, exclude=banned | slow)
-            except RouteError:
-                log.info("no route around the slow hops %s: taking them", sorted(slow))
-        return await self.routes.route(self.model, start, exclude=banned)
 
     async def feed(
         self, session: PipelineSession, ids: list[int], pick: Pick[T], rows: int = 1
@@ -200,7 +144,9 @@ class Pipeline:
         out: Any  # hidden [1, T, H], or what `pick` made of the logits
         try:
             if pipelined:  # the entry's span and the hops at once (ADR-0036)
-                out = await prefill.pipelined(self, session, ids)
+                out = await prefill.pipelined(
+                    self.hops, self.local_pass, self.prefill_piece_tokens, session, ids
+                )
             else:  # the entry's span, with the logits when it is the last one
                 out = await self.local_pass(
                     session, ids, session.position, None if session.hops else pick, rows
@@ -213,7 +159,7 @@ class Pipeline:
             return out  # type: ignore[no-any-return]
         if not pipelined:
             for chunk in split_prefill(out, session.position, self.wire.chunk_tokens):
-                out = await self.remote(session, chunk)
+                out = await through(self.hops, session, chunk)
         return await self._after(session, ids, out, pick, rows)
 
     async def local_pass(
@@ -276,7 +222,7 @@ class Pipeline:
 
     def _frame(self, session: PipelineSession, ids: list[int], position: int) -> Frame:
         """The entry's own frame for `ids` at `position`: [1, T, H] embedded."""
-        meta = self.meta_for(session, self.local.span, position)
+        meta = self.hops.meta_for(session, self.local.span, position)
         return meta, self.head.embed_tokens(torch.tensor([ids]), position)
 
     def _run_local(
@@ -298,7 +244,9 @@ class Pipeline:
         for piece in split_prefill(hidden, at, self.local_chunk_tokens):
             rewind = session.rewinding and piece.position == at  # the first piece drops drafts
             meta = replace(
-                self.meta_for(session, self.local.span, piece.position, piece.index, piece.total),
+                self.hops.meta_for(
+                    session, self.local.span, piece.position, piece.index, piece.total
+                ),
                 rewind=rewind,
             )
             outputs.append(as_tensor(self.local.forward(meta, piece.hidden)))
@@ -320,64 +268,9 @@ class Pipeline:
                 results.append(Failed(exc))
         return results
 
-    async def remote(self, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
-        """One chunk through every remote hop in order; the last hop's output.
-
-        A hop that fails is replaced (`failover`) and the same chunk goes to its replacement.
-        """
-        if self.push and len(session.hops) > 1:
-            return await self._pushed(session, chunk)
-        hidden, k = chunk.hidden, 0
-        while k < len(session.hops):
-            try:
-                out = await self.hop(session, k, chunk, hidden)
-            except HopError as exc:  # whatever it was, another copy of the span may take it
-                await failover(self, session, k, exc)
-                self.metrics.failovers.inc()
-                continue
-            hidden, k = out, k + 1
-        return hidden
-
-    async def hop(
-        self, session: PipelineSession, k: int, chunk: TensorChunk, hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """`hidden` [1, T, H], chunk `chunk`'s input to remote hop `k`, relayed through it:
-        its output, once the session recorded what it was sent (raises `HopError`)."""
-        hop = session.hops[k]
-        index, total = (0, 1) if hop in session.fresh else (chunk.index, chunk.total)
-        meta = self.meta_for(session, hop.span, chunk.position, index, total)
-        if self.checker.bans.has(hop.node_id):
-            raise banned(hop)
-        started = time.perf_counter()
-        out = await self.transport.forward(hop, meta, hidden)
-        if hidden.shape[1] == 1:  # decode frames compare; prefill chunks vary
-            self.latencies.record(hop, time.perf_counter() - started)
-        session.record(k, hidden, self.max_replay_bytes)
-        self.checker.offer(self, session, k, meta, out)
-        return out
-
-    async def _pushed(self, session: PipelineSession, chunk: TensorChunk) -> torch.Tensor:
-        """One chunk pushed through the whole route, each hop sending on to the next
-        (ADR-0034); the last hop's output. A failed step moves the session to a new route,
-        replayed from what the first hop was sent, and the chunk goes again."""
-        while True:
-            index, total = (0, 1) if session.fresh else (chunk.index, chunk.total)
-            meta = self.meta_for(session, session.hops[0].span, chunk.position, index, total)
-            try:
-                for hop in session.hops:
-                    if self.checker.bans.has(hop.node_id):
-                        raise banned(hop)
-                out = await self.transport.push(session.hops, meta, chunk.hidden)
-            except HopError as exc:
-                await reroute(self, session, exc)
-                self.metrics.failovers.inc()
-                continue
-            session.record(0, chunk.hidden, self.max_replay_bytes)
-            return out
-
     async def close(self, session: PipelineSession) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised)."""
         self.executor.forget(session.id)
         self.executor.admitted(session.id)  # a session closed before its first call
         await self.executor.call(self.local.drop, session.id)
-        await asyncio.gather(*(self.transport.close_session(h, session.id) for h in session.hops))
+        await asyncio.gather(*(self.hops.close(h, session.id) for h in session.hops))

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from meshnet.config import EntryConfig, NodeConfig
+from meshnet.entry.bans import Bans
 from meshnet.entry.drafter import Drafter, LookupDrafter, ModelDrafter
 from meshnet.entry.generation import Generator
 from meshnet.entry.ggml_head import GgmlHeadModule
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import RouteSource
-from meshnet.entry.spotcheck import Bans, SpotChecker
+from meshnet.entry.spotcheck import SpotChecker
 from meshnet.entry.transport import Transport
 from meshnet.errors import ConfigError, ModelError
 from meshnet.models import sizing

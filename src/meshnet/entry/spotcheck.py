@@ -21,21 +21,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import torch
 
+from meshnet.entry.bans import Bans
+from meshnet.entry.hops import Hops
+from meshnet.entry.session import PipelineSession
 from meshnet.errors import HopError, RouteError
 from meshnet.types import Hop, LayerSpan, NodeId, Quant
 from meshnet.wire import FrameMeta
-
-if TYPE_CHECKING:
-    from meshnet.entry.pipeline import Pipeline
-    from meshnet.entry.session import PipelineSession
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")
@@ -87,27 +85,6 @@ def outliers(results: Sequence[tuple[K, torch.Tensor, Quant | None]]) -> list[K]
     return alone
 
 
-@dataclass
-class Bans:
-    """Nodes this entry keeps out of its routes, each until its time (monotonic s)."""
-
-    ban_s: float
-    clock: Callable[[], float] = time.monotonic
-    until: dict[NodeId, float] = field(default_factory=dict)
-
-    def ban(self, node: NodeId) -> None:
-        self.until[node] = self.clock() + self.ban_s
-
-    def has(self, node: NodeId) -> bool:
-        """`node` is banned now (cheap: asked for every hop of every frame)."""
-        return self.until.get(node, -1.0) > self.clock()
-
-    def active(self) -> frozenset[NodeId]:
-        now = self.clock()
-        self.until = {n: t for n, t in self.until.items() if t > now}
-        return frozenset(self.until)
-
-
 @dataclass(frozen=True)
 class Sample:
     """One hop answer to check: what the hop was sent in the session (bf16 [1, P + T, H],
@@ -136,7 +113,7 @@ class SpotChecker:
 
     def offer(
         self,
-        pipeline: Pipeline,
+        hops: Hops,
         session: PipelineSession,
         k: int,
         meta: FrameMeta,
@@ -149,55 +126,55 @@ class SpotChecker:
         self.tasks = {n: t for n, t in self.tasks.items() if not t.done()}
         node = session.hops[k].node_id
         if node in self.tasks or len(self.tasks) >= self.max_in_flight:
-            pipeline.metrics.spot_checks.labels("skipped").inc()
+            hops.metrics.spot_checks.labels("skipped").inc()
             return
         pieces = session.inputs[k]
         held = sum(p.shape[1] for p in pieces)
         if not session.replayable or held != meta.position + answer.shape[1]:
-            pipeline.metrics.spot_checks.labels("skipped").inc()
+            hops.metrics.spot_checks.labels("skipped").inc()
             return
         sample = Sample(
             session.hops[k], torch.cat(pieces, dim=1), answer, frozenset(session.banned)
         )
-        self.tasks[node] = asyncio.ensure_future(self.check(pipeline, sample))
+        self.tasks[node] = asyncio.ensure_future(self.check(hops, sample))
 
     async def drain(self) -> None:
         """Wait for the check in flight (tests, shutdown)."""
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
-    async def check(self, pipeline: Pipeline, sample: Sample) -> None:
+    async def check(self, hops: Hops, sample: Sample) -> None:
         """Compare the sample with other copies; ban and report whoever disagrees."""
         try:
-            await self._check(pipeline, sample)
+            await self._check(hops, sample)
         except Exception:  # a background task: log, never take the entry down
             log.exception("spot check of %s failed", sample.hop)
-            pipeline.metrics.spot_checks.labels("skipped").inc()
+            hops.metrics.spot_checks.labels("skipped").inc()
 
-    async def _check(self, pipeline: Pipeline, sample: Sample) -> None:
+    async def _check(self, hops: Hops, sample: Sample) -> None:
         hop, tokens = sample.hop, sample.answer.shape[1]
         self.checks_run += 1
         results: list[Result] = [((hop,), sample.answer, hop.quant)]
         asked = {hop.node_id} | sample.excluded
         for _ in range(2):  # another copy; a third one only to settle a disagreement
             addresses = [h.address for chain, _, _ in results for h in chain]
-            found = await self._rerun(pipeline, sample, frozenset(asked), addresses)
+            found = await self._rerun(hops, sample, frozenset(asked), addresses)
             if found is None:
                 break
             chain, output = found
             asked |= {h.node_id for h in chain}
             results.append((tuple(chain), output[:, -tokens:], _quant(chain)))
             if len(results) == 2 and not outliers(results):
-                pipeline.metrics.spot_checks.labels("match").inc()
+                hops.metrics.spot_checks.labels("match").inc()
                 return
         if len(results) == 1:
-            pipeline.metrics.spot_checks.labels("no_copy").inc()
+            hops.metrics.spot_checks.labels("no_copy").inc()
             return
-        await self._judge(pipeline, results)
+        await self._judge(hops, results)
 
-    async def _judge(self, pipeline: Pipeline, results: list[Result]) -> None:
+    async def _judge(self, hops: Hops, results: list[Result]) -> None:
         """Ban and report every hop of each chain that agrees with no other copy."""
         guilty = outliers(results)
-        pipeline.metrics.spot_checks.labels("mismatch").inc()
+        hops.metrics.spot_checks.labels("mismatch").inc()
         honest = [output for chain, output, _ in results if chain not in guilty]
         reference = honest[0] if honest else results[0][1]
         for chain, output, _ in results:
@@ -211,12 +188,12 @@ class SpotChecker:
                 )
                 log.warning("banning %s: %s", hop, reason)
                 self.bans.ban(hop.node_id)
-                pipeline.metrics.spot_check_bans.inc()
-                await pipeline.routes.report(hop.node_id, reason)
+                hops.metrics.spot_check_bans.inc()
+                await hops.report(hop.node_id, reason)
 
     async def _rerun(
         self,
-        pipeline: Pipeline,
+        hops: Hops,
         sample: Sample,
         exclude: frozenset[NodeId],
         addresses: Sequence[str],
@@ -225,25 +202,25 @@ class SpotChecker:
         session, away from the hosts of `addresses` (the copies asked so far) when it can
         be; (the chain, its output [1, P + T, H]), or None when there is none."""
         span, hosts = sample.hop.span, frozenset(host_of(a) for a in addresses)
-        chain = await copy_route(pipeline, span, exclude | self.bans.active(), hosts)
+        chain = await copy_route(hops, span, exclude | self.bans.active(), hosts)
         if chain is None:
             return None
-        session = pipeline.keys.new_id("check")
+        session = hops.keys.new_id("check")
         hidden = sample.inputs
         try:
             for hop in chain:
-                hidden = await pipeline.replay(hop, session, hidden)
+                hidden = await hops.replay(hop, session, hidden)
                 self.tokens_rerun += hidden.shape[1]
         except HopError as exc:  # that copy failed: not a verdict on anyone
             log.info("spot check of %s: copy %s failed: %s", sample.hop, exc.hop, exc.message)
             return None
         finally:
-            await asyncio.gather(*(pipeline.transport.close_session(h, session) for h in chain))
+            await asyncio.gather(*(hops.close(h, session) for h in chain))
         return chain, hidden
 
 
 async def copy_route(
-    pipeline: Pipeline, span: LayerSpan, exclude: frozenset[NodeId], hosts: frozenset[str]
+    hops: Hops, span: LayerSpan, exclude: frozenset[NodeId], hosts: frozenset[str]
 ) -> list[Hop] | None:
     """A chain for `span` without `exclude`, on none of `hosts` when there is one (review
     N8: two copies on one host agreed and outvoted the honest one), else on any; None when
@@ -252,9 +229,7 @@ async def copy_route(
     fallback: list[Hop] | None = None
     for _ in range(MAX_HOST_TRIES):
         try:
-            chain = await pipeline.routes.route(
-                pipeline.model, span.start, span.end, exclude | tried
-            )
+            chain = await hops.route(span.start, span.end, exclude | tried)
         except RouteError:
             return fallback
         shared = {h.node_id for h in chain if host_of(h.address) in hosts}

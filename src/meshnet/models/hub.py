@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.errors import ModelError
-from meshnet.models import registry
-from meshnet.models.source import ModelSource
 from meshnet.observe.progress import progress
 
 log = logging.getLogger(__name__)
@@ -45,26 +43,23 @@ def _fetch(repo_id: str, filename: str, cache_dir: Path | None) -> Path | None:
         return None
 
 
-def hub_source(repo_id: str, cache_dir: Path | None) -> ModelSource:
-    """Resolve a hub id from its config; weights come later, per span."""
+def hub_config(repo_id: str, cache_dir: Path | None) -> tuple[Path, dict[str, Any]]:
+    """A hub id's config (its path in the cache, and its fields) with the small files beside
+    it (tokenizer, generation config, weight index); weights come later, per span."""
     config_path = _fetch(repo_id, "config.json", cache_dir)
     if config_path is None:
         raise ModelError(f"model {repo_id!r} is neither cached nor reachable on the hub")
     for name in SMALL_FILES[1:]:
         _fetch(repo_id, name, cache_dir)
-    raw = json.loads(config_path.read_text())
-    spec = registry.get(str(raw.get("model_type"))).spec_from_config(raw)
-    return ModelSource(repo_id, "hub", config_path.parent, spec, raw, repo_id=repo_id)
+    return config_path, json.loads(config_path.read_text())
 
 
-def fetch_weight_files(source: ModelSource, files: set[str], cache_dir: Path | None) -> None:
-    """Make sure each named safetensors file of `source` is in the cache."""
-    assert source.repo_id is not None
-    with progress(f"fetching {source.repo_id} weight files", len(files)) as task:
+def fetch_weight_files(repo_id: str, files: set[str], cache_dir: Path | None) -> None:
+    """Make sure each named safetensors file of hub model `repo_id` is in the cache."""
+    with progress(f"fetching {repo_id} weight files", len(files)) as task:
         for file in sorted(files):
-            if _fetch(source.repo_id, file, cache_dir) is None:
+            if _fetch(repo_id, file, cache_dir) is None:
                 raise ModelError(
-                    f"{source.repo_id}: weight file {file} is neither cached nor reachable "
-                    "on the hub"
+                    f"{repo_id}: weight file {file} is neither cached nor reachable on the hub"
                 )
             task.advance()

@@ -40,6 +40,7 @@ def open_checkpoint(
         from meshnet.models.checkpoint import safetensors_index
         from meshnet.models.hub import fetch_weight_files
 
+        repo = source.repo_id or source.model_id
         if (source.path / "model.safetensors.index.json").exists():
             files = safetensors_index(source.path)
             wanted = layer_tensor_names(source, span or [], set(files))
@@ -47,9 +48,9 @@ def open_checkpoint(
                 wanted = set(files) - layer_tensor_names(
                     source, range(source.spec.num_layers), set(files)
                 )
-            fetch_weight_files(source, {files[n] for n in wanted}, cache_dir)
+            fetch_weight_files(repo, {files[n] for n in wanted}, cache_dir)
         else:
-            fetch_weight_files(source, {"model.safetensors"}, cache_dir)
+            fetch_weight_files(repo, {"model.safetensors"}, cache_dir)
     return SafetensorsCheckpoint.open(source.path)
 
 

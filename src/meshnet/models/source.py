@@ -96,9 +96,11 @@ def resolve(name: str, *, cache_dir: Path | None = None) -> ModelSource:
     if kind == "folder":
         return _folder_source(path.name, path)
     if kind == "hub":
-        from meshnet.models.hub import hub_source
+        from meshnet.models.hub import hub_config
 
-        return hub_source(name, cache_dir)
+        config_path, raw = hub_config(name, cache_dir)
+        spec = registry.get(str(raw.get("model_type"))).spec_from_config(raw)
+        return ModelSource(name, "hub", config_path.parent, spec, raw, repo_id=name)
     raise ModelError(
         f"cannot find model {name!r}: expected 'default', a .gguf file, a folder "
         "with config.json, or a hub id like 'org/name'"
