@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from meshnet.assemble.entry import load_entry_model, make_generator
 from meshnet.config import EntryConfig, NodeConfig, WireConfig, WireLimits
 from meshnet.entry.generation import Generator
-from meshnet.entry.role import load_entry_model, make_generator
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.transport import HttpTransport
 from meshnet.models.device import resolve_device

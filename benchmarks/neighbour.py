@@ -35,8 +35,8 @@ POLICIES = {
 def cell(backend: str, threads: str, tokens: int, repeats: int, tiny: bool) -> dict[str, Any]:
     """This process: one node's figures (run with the neighbours already busy)."""
     from decode import COMPUTE, generate, median_s, prompts
+    from meshnet.assemble.entry import load_entry_model, make_generator
     from meshnet.config import EntryConfig, NodeConfig, WireConfig, WireLimits
-    from meshnet.entry.role import load_entry_model, make_generator
     from meshnet.entry.routes import StaticRoutes
     from meshnet.entry.transport import HttpTransport
     from meshnet.models.loader import load_tokenizer

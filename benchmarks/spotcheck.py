@@ -22,11 +22,11 @@ import time
 
 import torch
 
+from meshnet.assemble.entry import load_entry_model
 from meshnet.config import NodeConfig, WireConfig, WireLimits
 from meshnet.entry.bans import Bans
 from meshnet.entry.generation import Generator
 from meshnet.entry.pipeline import Pipeline
-from meshnet.entry.role import load_entry_model
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import SpotChecker
 from meshnet.entry.transport import InProcessTransport

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from meshnet.types import QUANTS
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshnet"
 HTTP_FRAMEWORKS = ("starlette", "fastapi", "httpx", "uvicorn", "aiohttp")
 
@@ -39,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
         "security",
         "models",
         "api",
+        "text",
         "entry",
         "node",
         "tracker",
@@ -53,6 +56,8 @@ ALLOWED: dict[str, set[str]] = {
 ONLY: dict[tuple[str, str], set[str]] = {
     ("node", "tracker"): {"meshnet.tracker.messages"},
     ("entry", "tracker"): {"meshnet.tracker.messages"},  # never the tracker's internals
+    # the node's compute seams only: the scheduler, the shard-runner seam and the shard table
+    ("entry", "node"): {"meshnet.node.scheduler", "meshnet.node.runner", "meshnet.node.shards"},
     ("tracker", "models"): {"meshnet.models.sizing", "meshnet.models.source"},
 }
 
@@ -180,6 +185,47 @@ def test_sizing_from_a_config_needs_no_torch() -> None:
 @pytest.mark.parametrize("module", ["meshnet.types", "meshnet.errors", "meshnet.config"])
 def test_base_modules_import_nothing_heavy(module: str) -> None:
     assert not modules_after_import(module) & {"torch", "numpy", *HTTP_FRAMEWORKS}
+
+
+def quant_branches(path: Path) -> list[int]:
+    """Lines of `path` that compare something with a quantization's name (`"int8"`, or a
+    tuple of names); a source kind (`kind == "gguf"`) and a compute dtype (`compute ==
+    "fp32"`) are not one."""
+    names, only_quants = set(QUANTS), set(QUANTS) - {"fp32", "bf16", "gguf"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        strings = {
+            c.value
+            for side in sides
+            for c in ast.walk(side)
+            if isinstance(c, ast.Constant) and isinstance(c.value, str)
+        }
+        text = ast.unparse(node)
+        if (strings & only_quants or strings & names and "quant" in text) and "kind" not in text:
+            found.append(node.lineno)
+    return found
+
+
+def test_nothing_outside_models_quant_branches_on_a_quantization() -> None:
+    """Issue #49: a quantization's facts (bytes, compute dtype, swap, tolerance) live in its
+    scheme (`models/quant/`); everything else asks the scheme."""
+    home = SRC / "models" / "quant"
+    offenders = {
+        f"{p.relative_to(SRC)}:{lines}"
+        for p in SRC.rglob("*.py")
+        if home not in p.parents and p != SRC / "types.py" and (lines := quant_branches(p))
+    }
+    assert not offenders
+
+
+def test_every_quantization_has_a_scheme() -> None:
+    from meshnet.models.quant import SCHEMES
+
+    assert set(SCHEMES) == set(QUANTS)
+    assert all(name == scheme.name for name, scheme in SCHEMES.items())
 
 
 def test_no_source_file_outgrows_400_lines() -> None:

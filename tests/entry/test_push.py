@@ -9,9 +9,9 @@ from typing import Any, cast
 
 import pytest
 
+from meshnet.assemble.entry import make_generator
 from meshnet.config import EntryConfig, WireConfig, WireLimits
 from meshnet.entry.bans import Bans
-from meshnet.entry.role import make_generator
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.spotcheck import SpotChecker
 from meshnet.entry.transport import InProcessTransport

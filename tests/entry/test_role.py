@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from meshnet.assemble.entry import EntryModel
 from meshnet.assemble.node import build_app
 from meshnet.config import NodeConfig, TrackerConfig
-from meshnet.entry.role import EntryModel
 from meshnet.node.runner import EchoRunner
 from meshnet.text.codec import CharCodec
 from meshnet.types import LayerSpan
@@ -74,7 +74,7 @@ def test_spans_given_by_hand_load_on_the_compute_thread(
     loaded on the loop thread (one thread), it was built again at the first request (8.8 s).
     So `--layers` loads, a node's and a tracker's, run where model calls run."""
     from meshnet.assemble import tracker
-    from meshnet.entry.role import EntryRole
+    from meshnet.assemble.entry import EntryRole
 
     threads: list[str] = []
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from meshnet.assemble.entry import load_entry_model, make_generator
 from meshnet.assemble.node import node_service
 from meshnet.config import AccessConfig, EntryConfig, NodeConfig
-from meshnet.entry.role import load_entry_model, make_generator
 from meshnet.entry.routes import StaticRoutes
 from meshnet.entry.transport import HttpTransport
 from meshnet.text.events import Delta

@@ -14,9 +14,9 @@ from gguf.quants import dequantize, quantize
 
 from meshnet.errors import ConfigError, ModelError
 from meshnet.models import int4, products
-from meshnet.models import quantize as quantize_mod
 from meshnet.models.checkpoint import GgufCheckpoint
 from meshnet.models.int4 import Int4Blocks, Int4Linear
+from meshnet.models.quant import check_device
 from meshnet.models.source import ModelSource
 
 pytestmark = pytest.mark.skipif(not int4.int4_kernel_runs(), reason="no int4 CPU kernel")
@@ -126,7 +126,7 @@ def test_weights_that_cannot_be_packed_are_refused_by_name(shape: tuple[int, int
 
 def test_q4_refuses_a_cuda_device() -> None:
     with pytest.raises(ConfigError, match="q4 runs on CPU nodes only"):
-        quantize_mod.check_q4("cuda:0")
+        check_device("q4", "cuda:0")
 
 
 def _gguf_parts(source: ModelSource) -> tuple[Any, ...]:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from meshnet.config import TrackerConfig, WireConfig, WireLimits
+from meshnet.entry.outbox import Outbox
 from meshnet.models.source import source_kind
 from meshnet.node.agent import Membership, NodeAgent, RefusedError, node_id
 from meshnet.node.app import NodeService
@@ -119,10 +120,12 @@ def test_heartbeats_carry_the_finished_requests_once() -> None:
         registry, client = tracker()
         node = agent(client, "a", 100)
         await settle(node, beats=1)  # registered
-        node.service.finished.append(summary)
+        finished = Outbox()  # the entry role's
+        node.service.take_finished = finished.take
+        finished.append(summary)
         await settle(node, beats=2)  # the second beat has nothing new to tell
         assert [(entry, r) for _, entry, r in registry.requests] == [("a", summary)]
-        assert not node.service.finished
+        assert not finished
         await client.aclose()
 
     run(scenario())

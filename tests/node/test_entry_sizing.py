@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshnet.assemble.entry import entry_budget, entry_span
 from meshnet.config import NodeConfig
-from meshnet.entry.role import entry_budget, entry_span
 from meshnet.errors import ModelError
 from meshnet.models.sizing import head_bytes, layer_bytes
 from meshnet.models.source import resolve

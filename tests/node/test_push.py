@@ -17,16 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from meshnet.config import AccessConfig, WireConfig, WireLimits
+from meshnet.entry.inbox import Inbox
 from meshnet.entry.transport import HttpTransport
 from meshnet.errors import HopError
 from meshnet.node.app import NodeService, create_app
 from meshnet.node.directory import Listing, static_directory
-from meshnet.node.push import Inbox, passed_back, proof_for
 from meshnet.node.runner import EchoRunner
 from meshnet.security.signing import Signer
+from meshnet.security.swarm import route_proof
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId
 from meshnet.wire import FrameMeta
-from meshnet.wire.route import PushRoute, Reply
+from meshnet.wire.route import PushRoute, Reply, passed_back
 from tests.conftest import run
 from tests.e2e.procs import free_port
 from tests.owned import Sessions, encode
@@ -67,6 +68,7 @@ def chain(
             ports[name] = free_port() if name == dead else stack.enter_context(serving(app))  # type: ignore[arg-type]
         hops = [Hop(NodeId(n), f"http://127.0.0.1:{ports[n]}", s) for n, s in SPANS.items()]
         entry = services["n-0"]
+        entry.inbox = Inbox()
         reply = Reply(NodeId("n-0"), f"http://127.0.0.1:{ports['n-0']}")
         for service in services.values():
             service.forwarder.directory = static_directory(listing(PushRoute(tuple(hops), reply)))
@@ -136,7 +138,11 @@ def pushed_frame(
     frame: FrameMeta, route: PushRoute = ROUTE, proof: str | None = None
 ) -> tuple[dict[str, str], bytes]:
     encoded = encode(torch.randn(1, 1 if frame.position else 2, 16), frame)
-    given = proof_for(Signer(KEY), frame, route) if proof is None else proof
+    given = (
+        route_proof(Signer(KEY).key, frame.session, frame.model, *route.signed())
+        if proof is None
+        else proof
+    )
     headers = encoded.headers | route.headers(given, 1000)
     body = bytes(encoded.body)
     return headers | Signer(KEY).headers("POST", "/forward", body, to="n-1", headers=headers), body
@@ -168,7 +174,14 @@ OFF_ROUTE = PushRoute(
         (lambda: [pushed_frame(meta(0), proof="0" * 64)], 400, "X-Meshnet-Route-Proof"),
         # the proof binds the session: a hop cannot send a frame on under another one
         (
-            lambda: [pushed_frame(meta(0, "s-2"), proof=proof_for(Signer(KEY), meta(0), ROUTE))],
+            lambda: [
+                pushed_frame(
+                    meta(0, "s-2"),
+                    proof=route_proof(
+                        Signer(KEY).key, meta(0).session, meta(0).model, *ROUTE.signed()
+                    ),
+                )
+            ],
             400,
             "X-Meshnet-Route-Proof",
         ),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshnet.entry.outbox import Outbox
 from meshnet.errors import WireError
-from meshnet.node.outbox import Outbox
 from meshnet.node.runner import EchoRunner
 from meshnet.node.shards import ShardTable
 from meshnet.tracker import messages as msg

@@ -304,8 +304,8 @@ def test_an_entry_span_fetched_alone_gives_the_same_tokens_and_logits(
     import numpy as np
     import torch
 
+    from meshnet.assemble.entry import load_entry_model
     from meshnet.config import NodeConfig
-    from meshnet.entry.role import load_entry_model
 
     span = LayerSpan(0, 2)
     held, _ = fetch(WeightStore(tmp_path), [holder], manifest.digest, span=span, entry=True)

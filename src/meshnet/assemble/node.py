@@ -34,6 +34,7 @@ from meshnet.config import (
 )
 from meshnet.errors import ModelError
 from meshnet.models.device import resolve_device
+from meshnet.models.quant import check_device
 from meshnet.models.source import resolve
 from meshnet.node.agent import Membership, NodeAgent
 from meshnet.node.app import NodeService, create_app
@@ -61,7 +62,7 @@ from meshnet.weights.store import WeightStore
 from meshnet.wire.route import Reply
 
 if TYPE_CHECKING:
-    from meshnet.entry.role import EntryRole
+    from meshnet.assemble.entry import EntryRole
     from meshnet.entry.transport import HttpTransport
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,8 @@ def on_device(config: NodeConfig) -> NodeConfig:
     loaded, bound or written) when it asks for a CUDA device PyTorch cannot use, or for q4
     weights where they cannot run (ADR-0040)."""
     resolved = replace(config, device=resolve_device(config.device))
-    if resolved.quant == "q4":
-        from meshnet.models.quantize import check_q4  # torch: only for a q4 node
-
-        check_q4(resolved.device)
+    if resolved.quant is not None:
+        check_device(resolved.quant, resolved.device)  # torch only where a check needs it
     return resolved
 
 
@@ -95,7 +94,7 @@ def node_registration(
     """An entry span given by hand registers a budget that holds its head too; a node
     serving https registers an https address."""
     if config.entry and pinned is not None and pinned.start == 0:
-        from meshnet.entry.role import entry_budget
+        from meshnet.assemble.entry import entry_budget
 
         config = replace(config, budget_bytes=entry_budget(config, pinned))
     return registration(config, scheme(tls))
@@ -237,7 +236,7 @@ def make_entry_role(
     member: Membership,
 ) -> tuple[EntryRole, Callable[[], Awaitable[None]]]:
     """The entry role of a node that may be one, and what closes its hops' connections."""
-    from meshnet.entry.role import EntryRole
+    from meshnet.assemble.entry import EntryRole
     from meshnet.entry.routes import RouteSource, StaticRoutes, TrackerRoutes
 
     transport = entry_transport(service, entry, access, request)
@@ -251,8 +250,10 @@ def entry_transport(
     service: NodeService, entry: EntryConfig, access: AccessConfig, request: msg.RegisterRequest
 ) -> HttpTransport:
     """How an entry on `service` reaches its hops, and is reached by pushed answers."""
+    from meshnet.entry.inbox import Inbox
     from meshnet.entry.transport import HttpTransport
 
+    service.inbox = Inbox()  # the node's `/push` hands pushed answers to it
     return HttpTransport(
         service.wire,
         timeout_s=entry.hop_timeout_s,

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 
 from meshnet.api.app import access_rules as api_rules
 from meshnet.api.app import api_router
+from meshnet.assemble.entry import EntryRole, entry_span, load_entry_model
 from meshnet.assemble.http import ServerLimits, server_config
 from meshnet.assemble.node import (
     agent_lifespan,
@@ -37,7 +38,6 @@ from meshnet.config import (
     TlsConfig,
     TrackerConfig,
 )
-from meshnet.entry.role import EntryRole, entry_span, load_entry_model
 from meshnet.entry.routes import hops_of
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes

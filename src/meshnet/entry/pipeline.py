@@ -19,12 +19,12 @@ import torch
 
 from meshnet.config import EntryConfig, WireConfig
 from meshnet.entry import prefill
+from meshnet.entry.executor import Executor
 from meshnet.entry.failover import through
 from meshnet.entry.hops import AnswerCheck, Hops
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.transport import Transport
-from meshnet.node.executor import Executor
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics

@@ -13,7 +13,6 @@ from typing import Protocol
 import httpx
 
 from meshnet.errors import MissingLayersError, RouteError, read_error
-from meshnet.node.agent import Membership
 from meshnet.tracker import messages as msg
 from meshnet.types import Hop, ModelId, NodeId
 
@@ -41,10 +40,17 @@ def hops_of(response: msg.RouteResponse) -> list[Hop]:
     return [Hop(NodeId(h.node_id), h.address, h.span, h.quant) for h in response.hops]
 
 
+class Member(Protocol):
+    """Who asks: this node's id and membership token (the node agent's `Membership`)."""
+
+    node_id: str
+    token: str
+
+
 class TrackerRoutes:
     """Routes from a tracker's `GET /v1/route`."""
 
-    def __init__(self, client: httpx.AsyncClient, member: Membership | None = None) -> None:
+    def __init__(self, client: httpx.AsyncClient, member: Member | None = None) -> None:
         self.client = client  # base_url = the tracker
         self.member = member  # who reports failing hops (its token proves it)
 

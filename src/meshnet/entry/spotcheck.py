@@ -32,6 +32,7 @@ from meshnet.entry.bans import Bans
 from meshnet.entry.hops import Hops
 from meshnet.entry.session import PipelineSession
 from meshnet.errors import HopError, RouteError
+from meshnet.models.quant import scheme_of
 from meshnet.types import Hop, LayerSpan, NodeId, Quant
 from meshnet.wire import FrameMeta
 
@@ -47,9 +48,6 @@ Result = tuple[tuple[Hop, ...], torch.Tensor, Quant | None]  # (chain, its outpu
 TOLERANCE = 0.15
 NF4_TOLERANCE = 0.5  # also q4's: 4-bit weights, re-quantized where the file's were not Q4
 MAX_HOST_TRIES = 3  # routes asked for a copy on another host before taking one on the same
-# 4-bit weights, or the file's own types under ggml's kernels (8-bit activations in products)
-# against another kind: the loose tolerance
-_FOUR_BIT: set[Quant | None] = {"nf4", "q4", "gguf"}
 
 
 def tolerance(a: Quant | None, b: Quant | None) -> float:
@@ -59,7 +57,13 @@ def tolerance(a: Quant | None, b: Quant | None) -> float:
     that declared nf4 passed 30% noise against any copy)."""
     if a == b and a is not None:
         return TOLERANCE
-    return NF4_TOLERANCE if _FOUR_BIT & {a, b} or None in (a, b) else TOLERANCE
+    return NF4_TOLERANCE if _four_bit(a) or _four_bit(b) or None in (a, b) else TOLERANCE
+
+
+def _four_bit(quant: Quant | None) -> bool:
+    """4-bit weights, or the file's own types under ggml's kernels (8-bit activations in
+    products): against another kind, the loose tolerance (`QuantScheme.four_bit`)."""
+    return quant is not None and scheme_of(quant).four_bit
 
 
 def relative_error(answer: torch.Tensor, reference: torch.Tensor) -> float:
@@ -247,4 +251,4 @@ def _quant(chain: Sequence[Hop]) -> Quant | None:
     """A chain's quantization for tolerance: a 4-bit one if any hop's is, else the first
     known."""
     quants = [h.quant for h in chain]
-    return next((q for q in quants if q in _FOUR_BIT), next((q for q in quants if q), None))
+    return next((q for q in quants if _four_bit(q)), next((q for q in quants if q), None))

@@ -18,20 +18,19 @@ import aiohttp
 import torch
 
 from meshnet.config import WireConfig, WireLimits
+from meshnet.entry.inbox import Inbox
 from meshnet.errors import HopError, MeshError, PushError, WireError, read_error
-from meshnet.node.peers import PeerTimes
-from meshnet.node.push import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, Inbox, passed_back, proof_for
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, PROOF, SessionKeys
 from meshnet.security.signing import Signer
-from meshnet.security.swarm import ANSWER_HEADER
+from meshnet.security.swarm import ANSWER_HEADER, route_proof
 from meshnet.types import Hop, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.headers import ENCODING, LAYERS
 from meshnet.wire.links import LinkRates
 from meshnet.wire.post import AnswerTooLarge, FramePoster
-from meshnet.wire.route import PushRoute, Reply
+from meshnet.wire.route import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, PushRoute, Reply, passed_back
 from meshnet.wire.tensors import as_tensor
 
 log = logging.getLogger(__name__)
@@ -54,6 +53,17 @@ class Transport(Protocol):
         ...
 
 
+class Peers(Protocol):
+    """The node's record of the peers it sends frames to (their round trips are measured)."""
+
+    def seen(self, node_id: str, address: str) -> None: ...
+
+
+class NoPeers:
+    def seen(self, node_id: str, address: str) -> None:
+        return None
+
+
 class HttpTransport:
     """Frames over HTTP/1.1 keep-alive connections; one client session per event loop."""
 
@@ -67,12 +77,12 @@ class HttpTransport:
         tls: ssl.SSLContext | None = None,
         inbox: Inbox | None = None,
         reply: Reply | None = None,
-        peers: PeerTimes | None = None,
+        peers: Peers | None = None,
         links: LinkRates | None = None,
         keys: SessionKeys = PROCESS_KEYS,
     ) -> None:
         self.keys = keys  # signs for the sessions this process opened (ADR-0049)
-        self.peers = peers or PeerTimes()  # the hops it sends to, pinged for their RTT
+        self.peers = peers or NoPeers()  # the hops it sends to, pinged for their RTT
         self.links = links or LinkRates()  # their links' rates, for `auto` (ADR-0037)
         self.wire = wire
         self.timeout_s = timeout_s
@@ -115,7 +125,7 @@ class HttpTransport:
         if self.reply is None:
             raise HopError("this entry has no address to be pushed to", status=None, hop=hops[0])
         route = PushRoute(tuple(hops), self.reply)
-        proof = proof_for(self.signer, meta, route)
+        proof = route_proof(self.signer.key, meta.session, meta.model, *route.signed())
         waiter = self.inbox.expect(meta.session, meta.position, hops[-1].span, tuple(hidden.shape))
         sent = replace(meta, span=hops[0].span)
         post = asyncio.ensure_future(self._push_first(route, sent, hidden, proof))

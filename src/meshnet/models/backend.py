@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from meshnet.errors import ConfigError
+from meshnet.models.quant import scheme_of
 from meshnet.types import Backend, Quant
 
 Chosen = Literal["torch", "ggml"]
@@ -20,11 +21,14 @@ def choose_backend(
     """The backend for `asked` given the source (`gguf`: a GGUF file), the resolved device,
     the `--quant` asked (None: none) and whether ggml has a graph for the architecture.
     ConfigError for a combination that cannot run, naming why."""
+    file_types = quant is not None and scheme_of(quant).file_types
     if asked == "torch":
-        if quant == "gguf":
-            raise ConfigError("--quant gguf keeps the file's own types, which only ggml computes")
+        if file_types:
+            raise ConfigError(
+                f"--quant {quant} keeps the file's own types, which only ggml computes"
+            )
         return "torch"
-    needs = quant == "gguf" or asked == "ggml"
+    needs = file_types or asked == "ggml"
     why = _ggml_refusal(gguf=gguf, device=device, quant=quant, has_graph=has_graph)
     if why is None:
         return "ggml"
@@ -38,7 +42,7 @@ def _ggml_refusal(*, gguf: bool, device: str, quant: Quant | None, has_graph: bo
         return "it computes GGUF files only (use --backend torch for checkpoints)"
     if device != "cpu":
         return f"it runs on the CPU, not {device}"
-    if quant not in (None, "gguf"):
+    if quant is not None and not scheme_of(quant).file_types:
         return f"--quant {quant} converts the weights, which is torch's work"
     if not has_graph:
         return "it has no graph for this architecture"

@@ -22,6 +22,7 @@ from meshnet.errors import ModelError
 from meshnet.models import quantize
 from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsCheckpoint
 from meshnet.models.int4 import Int4Blocks
+from meshnet.models.quant import check_device, scheme_of
 from meshnet.models.shard import Head, Shard
 from meshnet.models.source import ModelSource, layer_tensor_names
 from meshnet.observe.progress import progress
@@ -93,7 +94,8 @@ def load_layer(
         layer = arch.build_layer(config, index)
     prefixes = arch.layer_names(index)
     names = {key: [p + key for p in prefixes] for key in layer.state_dict()}
-    blocks = read_int4_blocks(layer, checkpoint, names) if quant == "q4" else {}
+    keeps = scheme_of(quant).keeps_file_blocks  # q4: the file's 4-bit codes, as they are
+    blocks = read_int4_blocks(layer, checkpoint, names) if keeps else {}
     layer.load_state_dict(read_state(layer, checkpoint, names), assign=True, strict=True)
     for module in layer.modules():  # the shard's cache numbers its layers from 0
         if hasattr(module, "layer_idx"):
@@ -134,8 +136,7 @@ def load_shard(
     warmed up (one prefill, one decode step: compilation happens there) before it returns.
     """
     quant = quantize.check_quant(quant or quantize.default_quant(device))
-    if quant == "q4":
-        quantize.check_q4(device)
+    check_device(quant, device)
     if span.end > source.spec.num_layers:
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")
     config = source.arch.hf_config(source.spec, source.raw_config)

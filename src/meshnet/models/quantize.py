@@ -1,5 +1,5 @@
-"""Weight quantization: fp32, bf16, int8 (bitsandbytes `Linear8bitLt`), nf4 (`Linear4bit`),
-q4 (`models/int4.py`: a GGUF file's 4-bit blocks kept as they are, CPU only).
+"""Quantizing a layer as it loads: its compute dtype, and its linears swapped as its scheme
+says (`models/quant/`: fp32, bf16, int8, nf4, q4; gguf is ggml's and never comes here).
 
 The fast path runs int8 weights with PyTorch's weight-only kernel (`models/products.py`).
 """
@@ -9,16 +9,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from meshnet.config import COMPUTE_DTYPE_ENV
-from meshnet.errors import ConfigError
-from meshnet.models import int4, sizing
+from meshnet.models import sizing
 from meshnet.models.int4 import Int4Blocks
+from meshnet.models.quant import function, scheme_of
+from meshnet.models.quant.scheme import Linear
 from meshnet.models.spec import ModelSpec
 from meshnet.types import ComputeDtype, Quant, device_kind, parse_compute, parse_quant
 
@@ -26,9 +27,6 @@ log = logging.getLogger(__name__)
 # bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts); that is
 # by design here (activations are fp32/bf16), so keep it out of our logs.
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16-bit
-
-NF4_BLOCK = sizing.NF4_BLOCK  # weights per absmax scale (one home: sizing, no torch)
 
 
 @functools.cache
@@ -63,13 +61,12 @@ def default_quant(device: str = "cpu") -> Quant:
 
 
 def compute_dtype(quant: str, device: str = "cpu") -> torch.dtype:
-    """The dtype a shard on `device` computes in: fp32 for fp32 weights, bf16 for bf16
-    weights, and for int8/nf4/q4 the preferred compute dtype (`preferred_compute`)."""
-    if quant == "fp32":
-        return torch.float32
-    if quant == "bf16":
-        return torch.bfloat16
-    return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+    """The dtype a shard on `device` computes in: its scheme's, or the preferred compute
+    dtype (`preferred_compute`) for schemes that follow it."""
+    compute = scheme_of(quant).compute
+    if compute == "preferred":
+        compute = preferred_compute(device)
+    return torch.float32 if compute == "fp32" else torch.bfloat16
 
 
 def nf4_packed_for_cpu(device: str = "cpu") -> bool:
@@ -86,7 +83,7 @@ def nf4_packed_for_cpu(device: str = "cpu") -> bool:
 def local_layer_bytes(spec: ModelSpec, quant: Quant, device: str = "cpu") -> int:
     """Bytes one layer of `spec` at `quant` holds on `device` in this process
     (`sizing.layer_bytes` with that device's compute dtype and nf4 layout)."""
-    packed = quant == "nf4" and nf4_packed_for_cpu(device)
+    packed = scheme_of(quant).repacked_for_bf16 and nf4_packed_for_cpu(device)
     return sizing.layer_bytes(spec, quant, preferred_compute(device), packed_nf4=packed)
 
 
@@ -95,21 +92,11 @@ def head_dtype(quant: str) -> torch.dtype:
     `sizing.entry_head_bytes` counts it (int8 entries also multiply by int8 rows of the LM
     head, ADR-0046). An fp32 LM head costs a decode step 9.5 ms on an AVX-512 BF16 host,
     bf16 3.2."""
-    return torch.float32 if quant == "fp32" else torch.bfloat16
+    return torch.float32 if scheme_of(quant).head_bytes_per_value == 4 else torch.bfloat16
 
 
 def check_quant(quant: str) -> Quant:
     return parse_quant(quant)
-
-
-def check_q4(device: str) -> None:
-    """q4 runs on CPU nodes whose PyTorch packs int4 weights; a clear error otherwise."""
-    from meshnet.models.int4 import int4_kernel_runs
-
-    if device_kind(device) != "cpu":
-        raise ConfigError(f"--quant q4 runs on CPU nodes only, not {device}; use int8 or nf4")
-    if not int4_kernel_runs():
-        raise ConfigError("this PyTorch has no int4 CPU kernel for --quant q4; use int8 or nf4")
 
 
 def quantize_layer(
@@ -121,8 +108,9 @@ def quantize_layer(
     any other linear is quantized from its float weights."""
     dtype = compute_dtype(quant, device)
     layer = layer.to(dtype)
-    if quant in ("int8", "nf4", "q4"):
-        _swap_linears(layer, quant, dtype, device, blocks)
+    swap = scheme_of(quant).swap
+    if swap is not None:
+        _swap_linears(layer, function(swap), dtype, device, blocks)
     return move_rest(layer, device)
 
 
@@ -145,25 +133,29 @@ def move_rest(module: nn.Module, device: str) -> nn.Module:
 
 def _swap_linears(
     module: nn.Module,
-    quant: str,
+    swap: Callable[..., nn.Module],
     dtype: torch.dtype,
     device: str,
     blocks: Mapping[str, Int4Blocks],
     prefix: str = "",
 ) -> None:
+    """Every linear under `module` replaced by `swap` of it (a scheme's, `models/quant/`)."""
     for name, child in module.named_children():
         path = prefix + name
         weight = _linear_weight(child)
         if weight is None:
-            _swap_linears(child, quant, dtype, device, blocks, path + ".")
+            _swap_linears(child, swap, dtype, device, blocks, path + ".")
             continue
-        bias = getattr(child, "bias", None)
-        if quant == "q4":
-            q4 = blocks.get(path) or int4.from_float(weight, path)
-            bias = None if bias is None else bias.detach().to(dtype)
-            setattr(module, name, int4.Int4Linear(q4, bias, path))
-        else:
-            setattr(module, name, _quantized(weight, bias, quant, dtype, device))
+        linear = Linear(weight, getattr(child, "bias", None), path, blocks.get(path))
+        setattr(module, name, swap(linear, dtype, device))
+
+
+def placed(q: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype, device: str) -> nn.Module:
+    """A bitsandbytes linear `q` with `bias` in `dtype`, moved to `device` (bitsandbytes
+    quantizes its weight on that move, on the CPU or the GPU)."""
+    if bias is not None:
+        q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    return q.to(device)
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -174,48 +166,3 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
         weight: torch.Tensor = module.weight.data  # type: ignore[assignment]
         return weight.t().contiguous()
     return None
-
-
-def _quantized(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    quant: str,
-    dtype: torch.dtype,
-    device: str = "cpu",
-) -> nn.Module:
-    import bitsandbytes as bnb
-
-    out_features, in_features = weight.shape
-    data = weight.float()
-    if quant == "int8":
-        q: nn.Module = bnb.nn.Linear8bitLt(
-            in_features,
-            out_features,
-            bias=bias is not None,
-            has_fp16_weights=False,
-            threshold=INT8_OUTLIER_THRESHOLD,
-        )
-        q.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
-    else:
-        q = bnb.nn.Linear4bit(
-            in_features,
-            out_features,
-            bias=bias is not None,
-            compute_dtype=dtype,
-            quant_type="nf4",
-            compress_statistics=False,
-        )
-        q.weight = bnb.nn.Params4bit(
-            data,
-            requires_grad=False,
-            quant_type="nf4",
-            compress_statistics=False,
-            blocksize=NF4_BLOCK,
-            module=q,
-        )
-        # bitsandbytes repacks for its bf16 kernel on an AVX512-BF16 CPU whatever we compute
-        # in; with fp32 compute it must not (the switch then means fp32 everywhere)
-        setattr(q, "support_avx512bf16_for_cpu", nf4_packed_for_cpu(device))  # noqa: B010
-    if bias is not None:
-        q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-    return q.to(device)  # bitsandbytes quantizes on this move, on the CPU or the GPU

@@ -8,21 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshnet.models import registry
+from meshnet.models.quant import scheme_of
 from meshnet.models.spec import ModelSpec
 from meshnet.types import ComputeDtype, Quant
-
-# bytes per weight of a linear layer, and per other parameter (norms, biases), by quantization
-_LINEAR_BYTES: dict[Quant, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "int8": 1.0,
-    "nf4": 0.5,
-    "q4": 0.5,
-}
-NF4_BLOCK = 64  # weights per absmax scale
-Q4_GROUP_BYTES = 2 * 2 / 32  # q4: a bf16 scale and a bf16 offset per 32 weights (`models/int4`)
-# int8: bitsandbytes' float32 row scale (`SCB`) plus the fast path's bf16 copy (ADR-0022)
-INT8_ROW_BYTES = 4 + 2
 
 
 def layer_bytes(
@@ -30,25 +18,19 @@ def layer_bytes(
 ) -> int:
     """Bytes of one decoder layer's weights at `quant`, computing in `compute`.
 
-    Non-linear parameters (norms, biases) are kept in the compute dtype: fp32 for fp32
-    weights, bf16 for bf16 weights, `compute` for int8/nf4/q4 (None: bf16, the smaller). nf4
-    keeps one absmax per 64 weights: float32, or bf16 once bitsandbytes has repacked the
-    weights for its AVX512-BF16 kernel (`packed_nf4`; `quantize.local_layer_bytes` knows);
-    q4 a bf16 scale and offset per 32.
-    The tracker calls this with the defaults; a node sizes its own span exactly.
+    Linear weights cost the scheme's bytes per weight plus its scales (`models/quant/`);
+    non-linear parameters (norms, biases) stay in the compute dtype: `compute` for schemes
+    that compute in the preferred dtype (None: bf16, the smaller). nf4's absmax scales are
+    bf16 once bitsandbytes has repacked the weights for its AVX512-BF16 kernel (`packed_nf4`;
+    `quantize.local_layer_bytes` knows). The tracker calls this with the defaults; a node
+    sizes its own span exactly.
     """
-    if quant not in _LINEAR_BYTES:
-        raise ValueError(f"unknown quantization {quant!r} (gguf: `file_layer_bytes`)")
+    found = scheme_of(quant)
+    if found.file_types:
+        raise ValueError(f"{quant} keeps the file's types: see `file_layer_bytes`")
     linear, out_rows, other = registry.get(spec.model_type).layer_params(spec)
-    other_bytes = 4 if quant == "fp32" or (quant != "bf16" and compute == "fp32") else 2
-    total = linear * _LINEAR_BYTES[quant] + other * other_bytes
-    if quant == "int8":
-        total += out_rows * INT8_ROW_BYTES
-    elif quant == "nf4":
-        total += linear / NF4_BLOCK * (2 if packed_nf4 else 4)
-    elif quant == "q4":
-        total += linear * Q4_GROUP_BYTES
-    return int(total)
+    total = linear * found.linear_bytes + other * found.other_bytes(compute)
+    return int(total + found.scale_bytes(linear, out_rows, packed_nf4))
 
 
 def file_layer_bytes(path: Path) -> int:
@@ -78,7 +60,8 @@ def head_bytes(spec: ModelSpec, dtype_bytes: int, int8_lm_head: bool = False) ->
 def entry_head_bytes(spec: ModelSpec, quant: str) -> int:
     """`head_bytes` of an entry beside layers at `quant` (`quantize.head_dtype`; int8 entries
     multiply by an int8 LM head)."""
-    return head_bytes(spec, 4 if quant == "fp32" else 2, int8_lm_head=quant == "int8")
+    found = scheme_of(quant)
+    return head_bytes(spec, found.head_bytes_per_value, int8_lm_head=found.int8_lm_head)
 
 
 def layers_that_fit(spec: ModelSpec, per_layer_bytes: int, budget_bytes: int) -> int:

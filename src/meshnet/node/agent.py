@@ -156,7 +156,7 @@ class NodeAgent:
             await self._register()
             return
         # at most MAX_REQUESTS (a bounded deque); lost if this beat fails: they are for display
-        finished = self.service.finished.take()
+        finished = self.service.take_finished()
         beat = msg.HeartbeatRequest(
             node_id=self.registration.node_id,
             token=self.membership.token,

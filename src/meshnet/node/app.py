@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -26,14 +26,14 @@ from meshnet.errors import (
     LimitError,
     PayloadTooLargeError,
     RequestError,
+    SessionError,
     SessionNotFoundError,
     UnavailableError,
 )
 from meshnet.http_errors import WireVersionHeader, install_error_handlers
 from meshnet.node.compute import HostTurns
-from meshnet.node.outbox import Outbox
 from meshnet.node.peers import PeerTimes
-from meshnet.node.push import Forwarder, Inbox
+from meshnet.node.push import Forwarder
 from meshnet.node.runner import ShardRunner
 from meshnet.node.scheduler import Scheduler
 from meshnet.node.shards import ShardTable
@@ -44,6 +44,7 @@ from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.ownership import PROOF, check_close, check_frame
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
+from meshnet.tracker import messages as msg
 from meshnet.types import SessionId, is_valid_id
 from meshnet.weights.serve import WeightServer, add_weight_routes, weight_rules
 from meshnet.wire import FrameMeta, compression, decode_bits, encode, require_finite
@@ -73,12 +74,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(parts)
 
 
+class PushInbox(Protocol):
+    """Where an entry's pushed steps wait for the frame their last hop posts (ADR-0034)."""
+
+    def deliver(self, meta: FrameMeta, hidden: Hidden) -> None:
+        """Hand `hidden` to the step waiting for it; raises (409, 400) when none fits."""
+        ...
+
+
 class NodeService:
     """The node's HTTP side: decodes frames, admits sessions, answers on its own response.
 
     The parts it binds each have one job: the shard table (`node/shards.py`), the scheduler
     that owns the compute thread and batches decode steps (`node/scheduler.py`), and the
-    outbox of finished generations (`node/outbox.py`).
+    push forwarder (`node/push.py`). An entry role plugs in its inbox of pushed steps and
+    the feed of its finished generations.
     """
 
     def __init__(
@@ -105,14 +115,15 @@ class NodeService:
             turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens, threads
         )
         self.submit = self.scheduler.submit  # batched model work (the pipeline's `Executor`)
-        self.finished = Outbox()  # generations this entry finished, for the next heartbeat
+        # an entry's finished generations, taken by each heartbeat (the entry role's outbox)
+        self.take_finished: Callable[[], list[msg.RequestSummary]] = list
         # pushed frames (ADR-0034): sent on by `forwarder`; an entry's steps wait in `inbox`
         self.peers = PeerTimes()  # round trips to the tracker and peers, for route choice
         self.links = LinkRates()  # rates of the links frames go out on, for `auto` (ADR-0037)
         self.forwarder = Forwarder(
             node_id, signer or Signer(None), wire, self.metrics, tls, self.peers, self.links
         )
-        self.inbox = Inbox()
+        self.inbox: PushInbox | None = None  # an entry's: where its pushed steps wait
         self.batch_wait_s = batch_wait_s  # a decode round waits this long for its stragglers
         self.limits = limits
         self.wire = wire
@@ -193,6 +204,11 @@ class NodeService:
         received = time.perf_counter()
         meta, hidden = decode_bits(request.headers, body, self.limits)
         require_finite(hidden)
+        if self.inbox is None:
+            raise SessionError(
+                f"no pushed step of session {meta.session} waits here: not an entry",
+                field="X-Meshnet-Session",
+            )
         self.inbox.deliver(meta, hidden)
         held = hold_header(received, time.perf_counter())
         return JSONResponse({"received": meta.position}, headers=held)

@@ -9,12 +9,12 @@ dies mid-step resets its caller's connection, so the hop before it names it at o
 that hangs is named when the budget its caller gave it runs out (each hop gives the next 90%
 of what is left, so the nearest caller to the fault times out first).
 
-`Inbox` is the entry's side: a pushed step waits there for the frame the last hop posts.
+The entry's side is `entry/transport.py` (it sends the first hop its frame) and
+`entry/inbox.py` (a pushed step waits there for the frame the last hop posts).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import ssl
@@ -25,34 +25,30 @@ from dataclasses import replace
 import aiohttp
 
 from meshnet.config import WireConfig
-from meshnet.errors import PushError, RequestError, SessionError, WireError, read_error
+from meshnet.errors import PushError, RequestError, SessionError, WireError
 from meshnet.node.directory import Directory
 from meshnet.node.peers import PeerTimes
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROOF
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import ANSWER_HEADER, route_proof
-from meshnet.types import Hop, LayerSpan, SessionId
+from meshnet.types import Hop, SessionId
 from meshnet.wire import FrameMeta
 from meshnet.wire.frame import Hidden
 from meshnet.wire.links import LinkRates
 from meshnet.wire.post import AnswerTooLarge, FramePoster
-from meshnet.wire.route import ROUTE, ROUTE_PROOF, PushRoute, route_text
+from meshnet.wire.route import (
+    MAX_ANSWER_BYTES,
+    PUSH_PATH,
+    ROUTE,
+    ROUTE_PROOF,
+    SHARE_OF_BUDGET,
+    PushRoute,
+    passed_back,
+)
 
 log = logging.getLogger(__name__)
-PUSH_PATH = "/push"  # where the last hop posts its output, on the entry
-SHARE_OF_BUDGET = 0.9  # each hop gives the rest of the chain this share of what it has left
 MAX_ROUTES = 4096  # sessions whose route a node remembers
-MAX_ANSWER_BYTES = 64 * 1024  # a hop's answer to a pushed frame is a short JSON body
-
-
-def proof_for(signer: Signer, meta: FrameMeta, route: PushRoute) -> str:
-    """The entry's proof over a route ("" without a swarm key)."""
-    if signer.key is None:
-        return ""
-    return route_proof(
-        signer.key, meta.session, meta.model, route_text(route.hops), str(route.reply)
-    )
 
 
 class Forwarder:
@@ -86,7 +82,9 @@ class Forwarder:
         if self.signer.key is None:
             raise RequestError("this node has no swarm key: it pushes nothing on", field=ROUTE)
         given = headers.get(ROUTE_PROOF.lower(), "")
-        if not hmac.compare_digest(proof_for(self.signer, meta, route), given):
+        if not hmac.compare_digest(
+            route_proof(self.signer.key, meta.session, meta.model, *route.signed()), given
+        ):
             raise WireError(
                 f"{ROUTE_PROOF} does not match the route and session", field=ROUTE_PROOF
             )
@@ -146,7 +144,8 @@ class Forwarder:
                 f"no time left to reach {target.node_id}", failed=target.node_id, status=None
             )
         headers = route.headers(
-            proof_for(self.signer, meta, route), int(1000 * SHARE_OF_BUDGET * left_s)
+            route_proof(self.signer.key, meta.session, meta.model, *route.signed()),
+            int(1000 * SHARE_OF_BUDGET * left_s),
         )
         if session_proof is not None:
             headers[PROOF] = session_proof
@@ -210,59 +209,3 @@ class Forwarder:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-def passed_back(target: str, status: int, body: bytes) -> PushError:
-    """The `PushError` for a refusal from `target`: a push error from further down as it
-    came, else `target`'s status and the type of its error, never its words (review N6: a
-    hop relayed 300 characters of whatever answered, an internal service's included)."""
-    error = read_error(body)
-    failed = error.raw.get("failed") if error is not None else None
-    if error is not None and error.code == "push_failed" and isinstance(failed, str):
-        given = error.raw.get("status")
-        return PushError(
-            error.message[:300],
-            failed=failed,
-            status=given if isinstance(given, int) else None,
-        )
-    kind = error.type if error is not None else ""
-    named = f" ({kind})" if kind.isidentifier() and len(kind) <= 40 else ""
-    return PushError(f"{target} answered {status}{named}", failed=target, status=status)
-
-
-class Inbox:
-    """An entry's pushed steps, each waiting for the frame its last hop posts."""
-
-    def __init__(self) -> None:
-        # (session, position) -> (future output, the last hop's layers, the shape expected)
-        self._waiting: dict[
-            tuple[SessionId, int], tuple[asyncio.Future[Hidden], LayerSpan, tuple[int, ...]]
-        ] = {}
-
-    def expect(
-        self, session: SessionId, position: int, span: LayerSpan, shape: tuple[int, ...]
-    ) -> asyncio.Future[Hidden]:
-        future: asyncio.Future[Hidden] = asyncio.get_running_loop().create_future()
-        self._waiting[(session, position)] = (future, span, shape)
-        return future
-
-    def cancel(self, session: SessionId, position: int) -> None:
-        self._waiting.pop((session, position), None)
-
-    def deliver(self, meta: FrameMeta, hidden: Hidden) -> None:
-        """Hand a posted frame to the step waiting for it; 409 when none waits, 400 when it
-        is not the frame that step waits for."""
-        waiting = self._waiting.get((meta.session, meta.position))
-        if waiting is None or waiting[0].done():
-            raise SessionError(
-                f"no pushed step of session {meta.session} at position {meta.position} waits here",
-                field="X-Meshnet-Session",
-            )
-        future, span, shape = waiting
-        if (meta.span, tuple(hidden.shape)) != (span, shape):
-            raise WireError(
-                f"the pushed answer is (layers, shape) {(str(meta.span), tuple(hidden.shape))}, "
-                f"not {(str(span), shape)}",
-                field="X-Meshnet-Layers",
-            )
-        future.set_result(hidden)

@@ -221,8 +221,11 @@ def challenge_proof(key: SwarmKey, challenge: str, node_id: str) -> str:
     return key.mac(b"meshnet-probe-v1", challenge.encode(), node_id.encode())
 
 
-def route_proof(key: SwarmKey, session: str, model: str, route: str, reply: str) -> str:
+def route_proof(key: SwarmKey | None, session: str, model: str, route: str, reply: str) -> str:
     """The entry's MAC over a pushed session's route (ADR-0034): every hop checks it, so a
-    hop cannot send the frame to a node off the route, or on under another session."""
+    hop cannot send the frame to a node off the route, or on under another session ("" in
+    a mesh without a swarm key)."""
+    if key is None:
+        return ""
     parts = (session, model, route, reply)
     return key.mac(b"meshnet-route-v1", *(p.encode() for p in parts))

@@ -16,13 +16,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshnet.errors import WireError
+from meshnet.errors import PushError, WireError, read_error
 from meshnet.types import Hop, LayerSpan, NodeId, is_valid_id
 
 ROUTE = "X-Meshnet-Route"
 REPLY_TO = "X-Meshnet-Reply-To"
 ROUTE_PROOF = "X-Meshnet-Route-Proof"
 BUDGET = "X-Meshnet-Budget-Ms"
+PUSH_PATH = "/push"  # where the last hop posts its output, on the entry
+SHARE_OF_BUDGET = 0.9  # each hop gives the rest of the chain this share of what it has left
+MAX_ANSWER_BYTES = 64 * 1024  # a hop's answer to a pushed frame is a short JSON body
 MAX_HOPS = 64
 MAX_ROUTE_CHARS = 8192  # 64 hops of ~100 characters; headers beyond it are refused
 
@@ -44,6 +47,10 @@ class PushRoute:
 
     hops: tuple[Hop, ...]
     reply: Reply
+
+    def signed(self) -> tuple[str, str]:
+        """What the entry's route proof covers besides session and model: route, reply."""
+        return route_text(self.hops), str(self.reply)
 
     def headers(self, proof: str, budget_ms: int) -> dict[str, str]:
         """The push headers a frame for this route carries."""
@@ -120,3 +127,21 @@ def budget_ms(headers: Mapping[str, str]) -> int:
     if not text.isdigit() or len(text) > 7 or not 1 <= int(text) <= 3_600_000:
         raise WireError(f"{BUDGET} must be 1-3600000 milliseconds", field=BUDGET)
     return int(text)
+
+
+def passed_back(target: str, status: int, body: bytes) -> PushError:
+    """The `PushError` for a refusal from `target`: a push error from further down as it
+    came, else `target`'s status and the type of its error, never its words (review N6: a
+    hop relayed 300 characters of whatever answered, an internal service's included)."""
+    error = read_error(body)
+    failed = error.raw.get("failed") if error is not None else None
+    if error is not None and error.code == "push_failed" and isinstance(failed, str):
+        given = error.raw.get("status")
+        return PushError(
+            error.message[:300],
+            failed=failed,
+            status=given if isinstance(given, int) else None,
+        )
+    kind = error.type if error is not None else ""
+    named = f" ({kind})" if kind.isidentifier() and len(kind) <= 40 else ""
+    return PushError(f"{target} answered {status}{named}", failed=target, status=status)

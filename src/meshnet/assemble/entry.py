@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from meshnet.entry.bans import Bans
 from meshnet.entry.drafter import Drafter, LookupDrafter, ModelDrafter
 from meshnet.entry.generation import Generator
 from meshnet.entry.ggml_head import GgmlHeadModule
+from meshnet.entry.outbox import Outbox
 from meshnet.entry.pipeline import Pipeline
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.spotcheck import SpotChecker
@@ -31,6 +33,7 @@ from meshnet.models import sizing
 from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.products import int8_kernel_runs
+from meshnet.models.quant import scheme_of
 from meshnet.models.quantize import default_quant, head_dtype
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
@@ -39,6 +42,7 @@ from meshnet.node.runner import ShardRunner
 from meshnet.node.span_runner import Span, SpanRunner
 from meshnet.node.startup import load_runner, node_layer_bytes, node_quant
 from meshnet.text.codec import HfCodec
+from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
 
 log = logging.getLogger(__name__)
@@ -96,14 +100,14 @@ def entry_budget(config: NodeConfig, span: LayerSpan) -> int:
 def int8_head(shard: Span) -> bool:
     """Whether an entry beside `shard` multiplies by an int8 LM head (ADR-0046): int8 weights
     on a device with the weight-only int8 kernel."""
-    return shard.quant == "int8" and int8_kernel_runs(torch.device(shard.device))
+    return scheme_of(shard.quant).int8_lm_head and int8_kernel_runs(torch.device(shard.device))
 
 
 def load_entry_model(config: NodeConfig, model_id: str, source: str, span: LayerSpan) -> EntryModel:
     """Layers `span` (from 0) of `source`, its head and its tokenizer."""
     runner = load_runner(config, model_id, source, span)
     resolved = resolve(source)
-    if runner.shard.quant == "gguf":  # the file's own table and LM head, computed by ggml
+    if scheme_of(runner.shard.quant).file_types:  # the file's own table and LM head, by ggml
         head: Any = GgmlHeadModule(GgmlHead(resolved.path, config.threads or compute_threads()))
     else:
         head = load_head(resolved, head_dtype(runner.shard.quant), device=runner.shard.device)
@@ -137,6 +141,8 @@ class EntryRole:
         self.routes = routes
         self.transport = transport
         self.generators: dict[str, Generator] = {}
+        self.finished = Outbox()  # every generator's finished requests...
+        service.take_finished = self.finished.take  # ...for the agent's next heartbeat
         self._loaded: dict[tuple[str, LayerSpan], EntryModel] = {}  # loaded, not attached yet
 
     def load(self, model_id: str, source: str, span: LayerSpan) -> ShardRunner:
@@ -155,7 +161,7 @@ class EntryRole:
 
     def add(self, model: EntryModel) -> None:
         self.generators[model.model_id] = make_generator(
-            model, self.service, self.routes, self.transport, self.entry
+            model, self.service, self.routes, self.transport, self.entry, self.finished.append
         )
         log.info("serving the API for %s", model.model_id)
 
@@ -181,6 +187,7 @@ def make_generator(
     routes: RouteSource,
     transport: Transport,
     entry: EntryConfig,
+    on_end: Callable[[msg.RequestSummary], object] = lambda summary: None,
 ) -> Generator:
     """The generator loop over `model`: its span runs on `service`, hops via `transport`."""
     pipeline = Pipeline(
@@ -205,7 +212,7 @@ def make_generator(
         model.max_context,
         random.Random(entry.seed),
         metrics=service.metrics,
-        on_end=service.finished.append,  # the agent's next heartbeat tells the tracker
+        on_end=on_end,  # a summary of each request: the role's outbox, for the tracker
         max_drafts=entry.max_draft_tokens if entry.draft != "none" else 0,
         drafter=make_drafter(entry, model),
     )
@@ -219,7 +226,7 @@ def make_drafter(entry: EntryConfig, model: EntryModel) -> Drafter:
     device = model.runner.shard.device  # the draft runs beside the served model's entry span
     whole = LayerSpan(0, source.spec.num_layers)
     quant = model.runner.shard.quant
-    quant = default_quant(device) if quant == "gguf" else quant  # drafts run on torch
+    quant = default_quant(device) if scheme_of(quant).file_types else quant  # drafts: torch
     shard = load_shard(source, whole, quant, device=device)
     vocab = model.head.embed.num_embeddings  # type: ignore[attr-defined]
     if source.spec.vocab_size != vocab:
