@@ -122,7 +122,7 @@ def import_cycles(part: str) -> list[list[str]]:
     return cycles
 
 
-@pytest.mark.parametrize("part", ["entry", "node", "tracker", "weights", "wire"])
+@pytest.mark.parametrize("part", ["entry", "node", "tracker", "models", "weights", "wire"])
 def test_no_import_cycles_inside_a_part(part: str) -> None:
     """Issue #49: failover, prefill and spot checks were Pipeline methods kept elsewhere,
     importing it back; they build on `entry/hops.py` now, and no part may grow a cycle."""

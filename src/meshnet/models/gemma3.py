@@ -138,7 +138,12 @@ class Gemma3:
         return Gemma3RotaryEmbedding(config=config)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
-        from meshnet.models.shard import causal_mask, kept_columns, layer_window, positions_for
+        from meshnet.models.layer_ops import (
+            causal_mask,
+            kept_columns,
+            layer_window,
+            positions_for,
+        )
 
         positions = positions_for(hidden, position)
         kinds = {layer.self_attn.layer_type for layer in layers}

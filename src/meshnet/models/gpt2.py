@@ -71,7 +71,7 @@ class GPT2:
         return None  # GPT-2 runs transformers' layers (it is the test architecture)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
-        from meshnet.models.shard import causal_mask
+        from meshnet.models.layer_ops import causal_mask
 
         mask = causal_mask(hidden, position)
         for layer in layers:

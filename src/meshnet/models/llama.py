@@ -158,7 +158,12 @@ class LlamaFamily:
         return _transformers_rotary(config)
 
     def run_layers(self, layers: Any, hidden: Any, cache: Any, position: int, extras: Any) -> Any:
-        from meshnet.models.shard import causal_mask, kept_columns, layer_window, positions_for
+        from meshnet.models.layer_ops import (
+            causal_mask,
+            kept_columns,
+            layer_window,
+            positions_for,
+        )
 
         embeddings = extras(hidden, position_ids=positions_for(hidden, position))  # [B, T, D] x2
         windows = [layer_window(x) for x in layers]

@@ -5,9 +5,9 @@ decode step outside the matrix products: the cache concatenates keys and values 
 masks and positions are rebuilt, many small modules are called. Here each layer runs one
 fused q/k/v product and one fused gate/up product (`models/products.py`: dense, or int8
 weight-only). Rotary is read from a table and applied to queries and keys together; norms
-run transformers' RMSNorm formula op for op, without a module call. Keys and values are
-written in place into `StaticKV`. int8 spans can also compile their decode step
-(`models/llama_graph.py`, ADR-0023).
+run transformers' RMSNorm formula op for op, without a module call (`llama_fused.py`, the
+layer as every fast path sees it). Keys and values are written in place into `StaticKV`.
+int8 spans can also compile their decode step (`models/llama_graph.py`, ADR-0023).
 
 Dense weights (fp32, bf16) attend with PyTorch's SDPA, as transformers does, and stay
 bit-for-bit equal to transformers' layers. INT8 weights have no bit-exact reference (their
@@ -19,7 +19,6 @@ bf16 (int8 layers on hosts with fast bf16) those products cost more than SDPA: o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,88 +27,11 @@ from torch import nn
 
 from meshnet.models import products
 from meshnet.models.cache import SpanCache, StaticKV
+from meshnet.models.layer_ops import causal_mask, causal_mask_for, rotate
+from meshnet.models.llama_fused import Dims, FusedLayer, fuse_layer
 from meshnet.models.llama_graph import DecodeGraph, compiled_decode
-from meshnet.models.products import Product
-from meshnet.models.shard import causal_mask, causal_mask_for
 
 MIN_ROPE_POSITIONS = 256  # positions the rotary table first holds; it doubles when needed
-# one formula (`RMSNorm`)
-RMS_NORMS = ("RMSNorm",)  # `llama_layers.RMSNorm`
-
-
-class RMSNorm:
-    """transformers' Llama/Mistral/Qwen2 RMSNorm, op for op (so results are equal), without
-    a module call: 17 us instead of 28 us a call here."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.weight = torch.as_tensor(module.weight)  # [H]
-        self.eps = float(module.variance_epsilon)  # type: ignore[arg-type]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class HeadNorm:
-    """Qwen3's RMSNorm of each query head (`q_norm`) and key head (`k_norm`), both at once
-    over the query and key heads [..., heads + kv, D]: the same elementwise ops and
-    per-row means as the two modules, one weight row per head."""
-
-    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, heads: int, kv_heads: int) -> None:
-        q, k = torch.as_tensor(q_norm.weight), torch.as_tensor(k_norm.weight)  # [D] each
-        q, k = q.detach(), k.detach()  # plain tensors: the compiled step reads them
-        self.weight = torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)])  # [heads+kv, D]
-        self.eps = float(q_norm.variance_epsilon)  # type: ignore[arg-type]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-@dataclass
-class FusedLayer:
-    """One decoder layer: its norms and its fused products."""
-
-    input_norm: RMSNorm
-    qkv: Product  # -> [(heads + 2 kv_heads) * D]
-    o: Product  # -> [H]
-    post_norm: RMSNorm
-    gate_up: Product  # -> [2 I]
-    down: Product  # -> [H]
-    head_norm: HeadNorm | None = None  # Qwen3's q/k norms
-    window: int | None = None  # sliding-window attention over this many tokens
-
-
-def fuse_layer(layer: Any, config: Any) -> FusedLayer | None:
-    """The fused view of a Llama-style decoder layer, or None (nf4, or an unusual layer)."""
-    from meshnet.models.shard import layer_window
-
-    attn, mlp = layer.self_attn, layer.mlp
-    if mlp.act_fn.__class__.__name__ not in ("SiLU", "SiLUActivation"):
-        return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.__class__.__name__ not in RMS_NORMS for n in norms):
-        return None
-    parts = [
-        products.fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-        products.fuse([attn.o_proj]),
-        products.fuse([mlp.gate_proj, mlp.up_proj]),
-        products.fuse([mlp.down_proj]),
-    ]
-    if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
-        return None
-    qkv, o, gate_up, down = parts
-    assert qkv and o and gate_up and down  # narrowed above; for the type checker
-    head_norm = None
-    if hasattr(attn, "q_norm"):
-        heads = int(config.num_attention_heads)
-        kv_heads = int(config.num_key_value_heads or heads)
-        head_norm = HeadNorm(attn.q_norm, attn.k_norm, heads, kv_heads)
-    norm_in, norm_post = RMSNorm(norms[0]), RMSNorm(norms[1])
-    window = layer_window(layer)
-    return FusedLayer(norm_in, qkv, o, norm_post, gate_up, down, head_norm, window)
 
 
 class RopeTable:
@@ -126,7 +48,7 @@ class RopeTable:
 
     def rows(self, position: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [tokens, D] for positions `[position, position + tokens)`; the
-        signed sin is [-sin, +sin] over the two halves of D (see `_rotate`)."""
+        signed sin is [-sin, +sin] over the two halves of D (see `layer_ops.rotate`)."""
         end = position + tokens
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0], MIN_ROPE_POSITIONS))
@@ -144,12 +66,11 @@ class RopeTable:
 class FastSpan:
     """Runs a span's layers over a `StaticKV`; same inputs and outputs as `run_layers`."""
 
-    def __init__(self, fused: list[FusedLayer], config: Any, rotary: nn.Module) -> None:
+    def __init__(self, fused: list[FusedLayer], dims: Dims, rotary: nn.Module) -> None:
         self.layers = fused
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.scale = self.head_dim**-0.5
+        self.dims = dims
+        self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
+        self.scale = dims.scale
         self.exact = isinstance(fused[0].qkv, products.Dense)  # SDPA, as transformers runs it
         self.rope: RopeTable | None = None
         self._rotary = rotary
@@ -161,7 +82,7 @@ class FastSpan:
         not on CUDA (ADR-0039: the per-session caches a step writes defeat CUDA graphs)."""
         on_cpu = self.layers[0].input_norm.weight.device.type == "cpu"
         if not self.exact and on_cpu:
-            self.graph = compiled_decode(self)
+            self.graph = compiled_decode(self.layers, self.dims)
         return self.graph is not None
 
     def forward(self, hidden: torch.Tensor, cache: SpanCache, position: int) -> torch.Tensor:
@@ -238,11 +159,10 @@ class FastSpan:
     ) -> torch.Tensor:
         """`_layer` for the packed tokens [1, N, H] of several sessions; `spans` gives each
         session's (position, tokens), in packing order."""
-        tokens, width = x.shape[1], (self.heads + self.kv_heads) * self.head_dim
-        qkv = layer.qkv(layer.input_norm(x))  # [1, N, (heads + 2 kv) D]
-        qk = _rotate(_heads(layer, qkv[..., :width], self.head_dim).transpose(1, 2), *rope)
-        values = qkv[..., width:].view(1, tokens, -1, self.head_dim).transpose(1, 2)
-        rows, start = [], 0  # [1, heads + kv, N, D] and [1, kv, N, D] above
+        tokens = x.shape[1]
+        qk, values = layer.project(x, self.dims)  # [1, N, heads + kv, D], [1, N, kv, D]
+        qk, values = rotate(qk.transpose(1, 2), *rope), values.transpose(1, 2)
+        rows, start = [], 0  # [1, heads + kv, N, D] and [1, kv, N, D] now
         for (keys_b, values_b), (p, t) in zip(kvs, spans, strict=True):
             mine = slice(start, start + t)
             keys_b[:, :, p : p + t] = qk[:, self.heads :, mine]
@@ -253,9 +173,7 @@ class FastSpan:
             rows.append(self._attend(q, keys_p, values_p, mask, p, layer.window))
             start += t
         attended = torch.cat(rows, dim=2)  # [1, heads, N, D]
-        x = x + layer.o(attended.transpose(1, 2).reshape(1, tokens, -1))
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        return layer.finish(x, attended.transpose(1, 2).reshape(1, tokens, -1))
 
     def _decode_compiled(
         self,
@@ -284,22 +202,17 @@ class FastSpan:
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        end, width = position + tokens, (self.heads + self.kv_heads) * self.head_dim
-        qkv = layer.qkv(layer.input_norm(x))  # [B, T, (heads + 2 kv) D]
+        end = position + tokens
+        qk, new_values = layer.project(x, self.dims)  # [B, T, heads + kv, D], [B, T, kv, D]
         # queries and keys rotate together: the same elementwise ops on the same numbers
-        qk = _heads(layer, qkv[..., :width], self.head_dim).transpose(1, 2)
-        qk = _rotate(qk, *rope)  # [B, heads + kv, T, D]
+        qk = rotate(qk.transpose(1, 2), *rope)  # [B, heads + kv, T, D]
         keys, values = kv
         keys[:, :, position:end] = qk[:, self.heads :]
-        values[:, :, position:end] = (
-            qkv[..., width:].view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-        )
+        values[:, :, position:end] = new_values.transpose(1, 2)
         attended = self._attend(
             qk[:, : self.heads], keys[:, :, :end], values[:, :, :end], mask, position, layer.window
         )
-        x = x + layer.o(attended.transpose(1, 2).reshape(batch, tokens, -1))
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        return layer.finish(x, attended.transpose(1, 2).reshape(batch, tokens, -1))
 
     def _attend(
         self,
@@ -346,36 +259,21 @@ class FastSpan:
         return torch.bmm(probs, values).view(batch, self.heads, 1, self.head_dim)
 
 
-def _heads(layer: FusedLayer, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The query and key rows [..., (heads + kv) D] as heads [..., heads + kv, D], each
-    normalised first where the layer has q/k norms (Qwen3)."""
-    heads = qk.view(*qk.shape[:-1], -1, head_dim)
-    return heads if layer.head_norm is None else layer.head_norm(heads)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, equal to transformers' `x * cos + rotate_half(x) * sin`.
-
-    rotate_half(x) * sin is roll(x, D/2) * [-sin_1, sin_2]: the same products up to an exact
-    sign flip, in 2 ops instead of 5 (18 -> 10 us a call here).
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 def fast_span(
     layers: nn.ModuleList, config: Any, rotary: nn.Module, compile: bool = False
 ) -> FastSpan | None:
     """The fast path for `layers`, or None when any layer cannot take it (nf4, GELU MLPs...)."""
     if getattr(config, "hidden_act", "silu") != "silu":
         return None
-    fused = [fuse_layer(layer, config) for layer in layers]
+    dims = Dims.of(config)
+    fused = [fuse_layer(layer, dims) for layer in layers]
     ready = [f for f in fused if f is not None]
     if len(ready) != len(fused) or len({type(f.qkv) for f in ready}) != 1:
         return None
     device = next(layers.parameters()).device
     if isinstance(ready[0].qkv, products.Int8Rows) and not products.int8_kernel_runs(device):
         return None
-    span = FastSpan(ready, config, rotary)
+    span = FastSpan(ready, dims, rotary)
     if compile:
         span.compile()
     return span

@@ -21,11 +21,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
+
+from meshnet.models.layer_ops import rotate
+from meshnet.models.llama_fused import Dims, FusedLayer
 
 if TYPE_CHECKING:
     from meshnet.models.cache import StaticKV
-    from meshnet.models.llama_fast import FastSpan, FusedLayer
 
 log = logging.getLogger(__name__)
 # Positions a decoded token attends over, rounded up to this: the mask hides at most 127
@@ -37,10 +38,10 @@ WINDOW_TOKENS = 128
 class DecodeGraph:
     """One token (batch 1) through every layer of a `FastSpan`, compiled."""
 
-    def __init__(self, span: FastSpan) -> None:
-        self.span = span
-        self.groups = span.heads // span.kv_heads
-        self.width = (span.heads + span.kv_heads) * span.head_dim  # queries and keys
+    def __init__(self, layers: list[FusedLayer], dims: Dims) -> None:
+        self.layers = layers
+        self.dims = dims
+        self.groups = dims.heads // dims.kv_heads
         self.compiled: Any = torch.compile(self._step, fullgraph=True, dynamic=False)
         self.built = False
 
@@ -71,7 +72,7 @@ class DecodeGraph:
             log.warning("could not compile the decode step (%s); it runs eagerly", exc)
             return None
         self.built = True
-        log.info("decode step of %d layers compiled", len(self.span.layers))
+        log.info("decode step of %d layers compiled", len(self.layers))
         return out.view(1, 1, -1)  # type: ignore[no-any-return]
 
     def _step(
@@ -85,7 +86,7 @@ class DecodeGraph:
     ) -> torch.Tensor:
         at = torch.arange(keys[0].shape[1])  # [window]
         unwritten = at > position
-        for layer, k, v in zip(self.span.layers, keys, values, strict=True):
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
             masked = (
                 unwritten if layer.window is None else unwritten | (at <= position - layer.window)
             )
@@ -103,30 +104,24 @@ class DecodeGraph:
         position: torch.Tensor,
         masked: torch.Tensor,
     ) -> torch.Tensor:
-        span, d = self.span, self.span.head_dim
-        qkv = layer.qkv(layer.input_norm(x))  # [1, (heads + 2 kv) D]
-        qk = qkv[:, : self.width].view(-1, d)  # [heads + kv, D]
-        if layer.head_norm is not None:  # Qwen3's q/k norms
-            qk = layer.head_norm(qk)
-        qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin
-        keys.index_copy_(1, position, qk[span.heads :].unsqueeze(1))
-        values.index_copy_(1, position, qkv[:, self.width :].view(-1, 1, d))
-        q = qk[: span.heads].view(span.kv_heads, self.groups, d)
-        scores = torch.bmm(q, keys.transpose(1, 2)).float() * span.scale  # [kv, groups, window]
+        dims = self.dims
+        qk, new_values = layer.project(x, dims)  # [1, heads + kv, D], [1, kv, D]
+        qk = rotate(qk[0], cos, sin)  # [heads + kv, D]
+        keys.index_copy_(1, position, qk[dims.heads :].unsqueeze(1))
+        values.index_copy_(1, position, new_values[0].unsqueeze(1))
+        q = qk[: dims.heads].view(dims.kv_heads, self.groups, dims.head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).float() * dims.scale  # [kv, groups, window]
         probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
         attended = torch.bmm(probs.to(values.dtype), values).reshape(1, -1)  # [1, heads D]
-        x = x + layer.o(attended)
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        return layer.finish(x, attended)
 
 
-def compiled_decode(span: FastSpan) -> DecodeGraph | None:
-    """A `DecodeGraph` for `span`, or None (with a log line) where inductor cannot build one.
-
-    Building happens at the first call (the shard's warm-up); see `FastSpan.compile`.
+def compiled_decode(layers: list[FusedLayer], dims: Dims) -> DecodeGraph | None:
+    """A `DecodeGraph` for `layers`, or None (with a log line) where inductor cannot build
+    one. Building happens at the first call (the shard's warm-up); see `FastSpan.compile`.
     """
     try:
-        return DecodeGraph(span)
+        return DecodeGraph(layers, dims)
     except (RuntimeError, ImportError) as exc:
         log.warning("torch.compile is not available (%s); decode runs eagerly", exc)
         return None

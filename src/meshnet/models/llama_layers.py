@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshnet.models.layer_ops import rms_norm, rotate_half
 from meshnet.models.llama_config import FamilyConfig
 
 NATIVE_ROPE = ("default", "linear", "llama3")
@@ -34,9 +35,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> torch.Tensor:
@@ -74,11 +73,6 @@ class Rotary(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):

@@ -10,55 +10,10 @@ import torch
 from torch import nn
 
 from meshnet.models.device import to_host
+from meshnet.models.layer_ops import positions_for
 from meshnet.models.products import Int8Rows, int8_rows_of
 from meshnet.models.registry import Architecture
 from meshnet.types import LayerSpan, Quant
-
-
-def positions_for(hidden: torch.Tensor, position: int) -> torch.Tensor:
-    """Absolute positions `[1, T]` of `hidden`'s tokens, the first at `position`."""
-    return torch.arange(position, position + hidden.shape[1], device=hidden.device).unsqueeze(0)
-
-
-def layer_window(layer: Any) -> int | None:
-    """The sliding window a built decoder layer attends over, None for full attention."""
-    window = layer.self_attn.sliding_window
-    return int(window) if window else None
-
-
-def kept_columns(mask: Any, cache: Any, layer: int) -> Any:
-    """`mask` [1, 1, T, end] over the keys layer `layer` of the eager `cache` still keeps."""
-    return mask if mask is None else mask[..., cache.start(layer) :]
-
-
-def causal_mask(
-    hidden: torch.Tensor, position: int, window: int | None = None
-) -> torch.Tensor | None:
-    """The SDPA mask for `hidden` [B, T, H] after `position` cached tokens (`causal_mask_for`)."""
-    return causal_mask_for(hidden.shape[1], position, hidden.device, window)
-
-
-def causal_mask_for(
-    tokens: int, position: int, device: torch.device, window: int | None = None
-) -> torch.Tensor | None:
-    """The SDPA mask for `tokens` new tokens after `position` cached ones; with a sliding
-    `window`, a query at q sees keys k with q - window < k <= q (transformers' rule).
-
-    None when SDPA's own `is_causal` is right: a single token (sees everything cached) or an
-    empty cache, and no key falls out of the window. Otherwise an explicit
-    `[1, 1, T, position + T]` bool mask (True = attend): `is_causal` would align the triangle
-    to the wrong corner.
-    """
-    end = position + tokens
-    slides = window is not None and end > window
-    if (tokens == 1 or position == 0) and not slides:
-        return None
-    keys = torch.arange(end, device=device)
-    queries = torch.arange(position, end, device=device)
-    visible = keys[None, :] <= queries[:, None]
-    if window is not None and slides:
-        visible &= keys[None, :] > queries[:, None] - window
-    return visible[None, None]
 
 
 @dataclass
