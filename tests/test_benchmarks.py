@@ -172,13 +172,13 @@ def test_spotcheck_benchmark_catches_the_liar_and_nobody_else() -> None:
 
 @pytest.mark.mesh
 @pytest.mark.slow
-def test_wan_benchmark_designs_encodings_and_drafts_on_one_mesh() -> None:
-    """Real processes behind delaying proxies, one mesh for three tables (each mesh start
-    costs a worker ~30 s): the designs, the encodings, and speculative drafts."""
-    out = run_tiny("wan.py", 600, "--compare", "all")
-    check_designs(out[out.index("| mode |") : out.index("| entry encoding |")])
-    check_encodings(out[out.index("| entry encoding |") : out.index("| prompt |")])
-    check_drafts(out[out.index("| prompt |") :])
+def test_wan_benchmark_compares_the_designs_behind_delaying_proxies() -> None:
+    """Real processes behind delaying proxies: the three designs side by side. (The encodings
+    and drafts tables, `--compare all`, cost the suite ~90 s more on this machine: auto
+    encoding beside a slow link is `tests/node/test_auto_encoding.py`'s, drafted greedy
+    tokens `tests/models/test_speculation_model.py`'s.)"""
+    out = run_tiny("wan.py", 300)
+    check_designs(out[out.index("| mode |") :])
 
 
 def check_designs(out: str) -> None:
@@ -201,34 +201,6 @@ def check_designs(out: str) -> None:
     # pipelined: a 2-chunk prompt's bound is below one chunk at a time
     assert float(at_5["relay"][11]) < float(at_5["sequential"][11])
     assert "push: activation bytes the entry sends to its hops: 1,152 a decode token" in out
-
-
-def check_encodings(out: str) -> None:
-    """ADR-0037 end to end: three entries (none, zstd-shuffle, auto) over the same hops at
-    20 Mbit/s; `auto` keeps decode steps raw and compresses its prompt chunks over the slow
-    link, which it measures under 100 Mbit/s. (Loopback rows: the full run only, for the
-    suite's time; `tests/node/test_auto_encoding.py` has loopback beside a slow link.)"""
-    rows = [line.split("|") for line in out.splitlines() if " ms | " in line][1:]  # no head
-    cells = {(r[1].strip(), r[3].strip()): [c.strip() for c in r[4:-1]] for r in rows}
-    assert len(cells) == len(rows) == 3
-    sent = {k: [float(c.replace(",", "")) for c in v[:-1]] for k, v in cells.items()}
-    link = "20 Mbit/s"  # what each sends: none's 2 hops x 160 x 1152
-    assert sent[("none", link)][-2:] == [368_640, 368_640]
-    assert all(b < 300_000 for b in sent[("zstd-shuffle", link)][-2:])
-    assert all(v > 0 for v in sent[("auto", link)][:3])  # decode ms, TTFT 16 and 160
-    assert sent[("auto", link)][-4:-2] == [2304, 2304]  # decode steps stay raw
-    assert float(cells[("auto", link)][-1].replace("-", "0")) < 100
-    assert all(b < 0.9 * 368_640 for b in sent[("auto", link)][-2:])  # compressed
-
-
-def check_drafts(out: str) -> None:
-    """ADR-0038 over real processes: the quote is drafted right, the text is the same."""
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("| quote |")]
-    assert len(rows) == 1
-    plain, lookup = float(rows[0][3]), float(rows[0][4])
-    accepted, drafted = (int(x) for x in rows[0][6].split(" of "))
-    assert plain > 0 and lookup > 0 and 0 < accepted <= drafted
-    assert float(rows[0][7]) > 1.0 and rows[0][8].strip() == "yes"
 
 
 def test_prefill_benchmark_pipelines_against_its_bound() -> None:

@@ -169,6 +169,8 @@ def test_openai_client_sees_errors_as_exceptions(app: FastAPI) -> None:
 
 
 class NoRoute:
+    degraded = False
+
     async def route(self, model: str, start: int, **_: object) -> list[object]:
         raise MissingLayersError("no node serves layers 4:6 of fake", missing=[(4, 6)])
 

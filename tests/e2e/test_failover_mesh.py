@@ -261,3 +261,32 @@ def test_losing_the_last_copy_the_planner_moves_a_redundant_copy_there(mesh: Mes
     except AssertionError as exc:  # which node failed, and in what state
         raise AssertionError(f"{exc}; nodes: {mesh.coverage()['nodes']}") from exc
     assert again.text == expected[1]
+
+
+def test_with_the_tracker_killed_an_entry_answers_among_the_members_it_knows(mesh: Mesh) -> None:
+    """Issue 50, degraded mode: SIGKILL the tracker; the `node --entry` process keeps
+    answering through the hops it last saw, says so, and counts it; the next test's fixture
+    restarts the tracker and the members register with it again."""
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+
+    def ask() -> dict[str, Any]:
+        body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 12}
+        response = httpx.post(
+            f"{mesh.entry}/v1/chat/completions", json=body, headers=bearer, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    before = ask()  # its routes (and, in the background, the tracker's coverage) are seen
+    time.sleep(0.5)
+    mesh.procs["tracker"].kill()
+    mesh.procs["tracker"].wait()
+    during = ask()
+    assert during["choices"][0]["message"] == before["choices"][0]["message"]
+    assert (before["meshnet"]["degraded"], during["meshnet"]["degraded"]) == (False, True)
+    assert [h["span"] for h in during["meshnet"]["route"]] == ["0:10", "10:20", "20:30"]
+    lines = httpx.get(f"{mesh.entry}/metrics", headers=bearer, timeout=10).text.splitlines()
+    counted = [float(x.split()[-1]) for x in lines if x.startswith("meshnet_degraded_routes_total")]
+    assert counted and counted[0] >= 1

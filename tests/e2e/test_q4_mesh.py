@@ -28,7 +28,9 @@ def test_a_mesh_with_a_q4_node_answers(tmp_path: Path) -> None:
     try:
         wait_for(lambda: "join this mesh" in (tmp_path / "t.log").read_text(), 60, "the tracker")
         node_args = ["node", "--tracker", url, "--port", str(free_port()), "--layers", "15:30"]
-        node = start([*node_args, "--quant", "q4"], tmp_path / "n.log", env)
+        # no compiled decode step: its build costs ~27 s here, and tests/models/test_fast_path.py
+        # checks it; this test is about mixed weight formats answering together
+        node = start([*node_args, "--quant", "q4", "--no-compile"], tmp_path / "n.log", env)
         routable = lambda: get_json(f"{url}/v1/coverage")["models"][0]["routable"]  # noqa: E731
         wait_for(routable, 180, "layers 15:30 on the node")
         quants = sorted(n["quant"] for n in get_json(f"{url}/v1/coverage")["nodes"])

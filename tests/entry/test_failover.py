@@ -8,14 +8,15 @@ import httpx
 import pytest
 import torch
 
-from meshnet.entry.routes import StaticRoutes, TrackerRoutes
+from meshnet.entry.routes import KnownRoutes, StaticRoutes, TrackerRoutes
 from meshnet.entry.transport import hop_error
 from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
-from meshnet.text.events import Delta
+from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams, SamplingParams
-from meshnet.types import Hop, NodeId
+from meshnet.tracker import messages as msg
+from meshnet.types import Hop, LayerSpan, ModelId, NodeId
 from meshnet.wire import FrameMeta
 from meshnet.wire.tensors import as_tensor
 from tests.conftest import run
@@ -109,43 +110,71 @@ def test_a_hop_refusing_a_frame_we_built_is_that_hops_failure(status: int) -> No
     assert isinstance(routes, StaticRoutes) and routes.reported == ["node-a"]
 
 
-def test_tracker_outage_keeps_open_sessions_going_and_routes_come_back() -> None:
-    """Open sessions hold their routes; new ones need the tracker, and get it when it is back."""
+def tracker_of(hops: list[Hop], down: dict[str, bool]) -> httpx.AsyncClient:
+    """A tracker over HTTP (mocked) that routes along `hops` and shows them in its coverage,
+    unreachable while `down["now"]`."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if down["now"]:
+            raise httpx.ConnectError("connection refused", request=request)
+        rows = [{"node_id": h.node_id, "address": h.address, "span": span_of(h)} for h in hops]
+        if request.url.path == "/v1/coverage":
+            return httpx.Response(200, json=coverage_of(hops))
+        return httpx.Response(200, json={"model": "fake", "hops": rows})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://tracker")
+
+
+def span_of(hop: Hop) -> dict[str, int]:
+    return {"start": hop.span.start, "end": hop.span.end}
+
+
+def coverage_of(hops: list[Hop]) -> dict[str, object]:
+    nodes = [
+        {
+            "node_id": h.node_id, "address": h.address, "budget_bytes": 1, "quant": "fp32",
+            "throughput": 1.0, "loaded": [{"model": "fake", "span": span_of(h)}],
+            "loading": [], "sessions": 0, "last_heartbeat_age_s": 0.0,
+        }
+        for h in hops
+    ]  # fmt: skip
+    return {"models": [], "nodes": nodes, "recent_directives": []}
+
+
+def test_tracker_outage_keeps_sessions_going_and_new_ones_routed_among_known_members() -> None:
+    """Issue 50: open sessions hold their routes; new ones, while the tracker is down, are
+    routed among the members last seen (degraded, said so); its routes again when it is back."""
     generator, _, _ = fake_mesh()
     static = generator.pipeline.hops.routes
     assert isinstance(static, StaticRoutes)
     down = {"now": False}
+    routes = TrackerRoutes(tracker_of(static.hops, down), metrics=generator.pipeline.metrics)
+    generator.pipeline.hops.routes = routes
 
-    def tracker(request: httpx.Request) -> httpx.Response:
-        if down["now"]:
-            raise httpx.ConnectError("connection refused", request=request)
-        hops = [
-            {
-                "node_id": h.node_id,
-                "address": h.address,
-                "span": {"start": h.span.start, "end": h.span.end},
-            }
-            for h in static.hops
-        ]
-        return httpx.Response(200, json={"model": "fake", "hops": hops})
-
-    client = httpx.AsyncClient(transport=httpx.MockTransport(tracker), base_url="http://tracker")
-    generator.pipeline.hops.routes = TrackerRoutes(client)
-
-    async def go() -> tuple[str, str]:
+    async def go() -> tuple[str, list[Event], list[Event]]:
         stream = generator.stream([97], PARAMS)
         first = await anext(stream)  # the route is taken; now the tracker goes away
         down["now"] = True
         rest = [e async for e in stream]
-        with pytest.raises(RouteError, match="unreachable"):
-            await anext(generator.stream([97], PARAMS))
+        during = [e async for e in generator.stream([97], PARAMS)]
         down["now"] = False
         again = [e async for e in generator.stream([97], PARAMS)]
-        text = "".join(e.text for e in [first, *rest] if isinstance(e, Delta))
-        return text, "".join(e.text for e in again if isinstance(e, Delta))
+        return "".join(e.text for e in [first, *rest] if isinstance(e, Delta)), during, again
 
-    during, after = run(go())
-    assert during == after == "bcdefghijklmnopqrstu"
+    before, during, again = run(go())
+    texts = ["".join(e.text for e in events if isinstance(e, Delta)) for events in (during, again)]
+    assert before == texts[0] == texts[1] == "bcdefghijklmnopqrstu"
+    ends = [e for events in (during, again) for e in events if isinstance(e, Finished)]
+    assert [e.degraded for e in ends] == [True, False]
+    assert generator.pipeline.metrics.degraded_routes._value.get() >= 1
+
+
+def test_a_tracker_down_before_any_route_is_a_503_naming_it() -> None:
+    generator, _, _ = fake_mesh()
+    routes = TrackerRoutes(tracker_of([], {"now": True}))
+    generator.pipeline.hops.routes = routes
+    with pytest.raises(RouteError, match="unreachable.*members last seen hold no route"):
+        run(anext(generator.stream([97], PARAMS)))
 
 
 class Poisoned:
@@ -266,3 +295,23 @@ def test_a_hop_that_lost_the_session_answers_409_and_a_copy_takes_over() -> None
     assert text == failure_free() and scores == failure_free_scores()
     assert len(end.failover_pauses_s) == 1
     assert [h.node_id for h in end.route][1:] == ["node-a", "node-b2"]
+
+
+def test_known_routes_skip_suspects_and_excluded_members_and_know_the_layer_count() -> None:
+    span_a, span_b = LayerSpan(4, 6), LayerSpan(6, 8)
+    hops = [
+        Hop(NodeId(n), f"http://{n}", s) for n, s in (("a", span_a), ("a2", span_a), ("b", span_b))
+    ]
+    coverage = coverage_of(hops)
+    coverage["models"] = [
+        {"model": "fake", "num_layers": 8, "layers": [], "gaps": [], "routable": True}
+    ]
+    coverage["nodes"][0]["suspect"] = True  # type: ignore[index]
+    known = KnownRoutes()
+    known.learn_coverage(msg.CoverageResponse.model_validate(coverage))
+    route = run(known.route(ModelId("fake"), 4, None, frozenset()))
+    assert [h.node_id for h in route] == ["a2", "b"]  # a is suspect; the end is layer 8
+    with pytest.raises(MissingLayersError):
+        run(known.route(ModelId("fake"), 4, None, frozenset({NodeId("a2")})))
+    with pytest.raises(RouteError, match="no layer count"):
+        run(known.route(ModelId("other"), 0, None, frozenset()))

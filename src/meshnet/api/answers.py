@@ -252,5 +252,6 @@ def _finish(body: dict[str, Any], choice: dict[str, Any], end: Finished | None) 
             "draft_tokens": end.drafted_tokens,
             "accepted_draft_tokens": end.accepted_tokens,
             "decode_rounds": end.decode_rounds,
+            "degraded": end.degraded,
         }
     return body

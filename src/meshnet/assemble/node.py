@@ -242,7 +242,7 @@ def make_entry_role(
     transport = entry_transport(service, entry, access, request)
     routes: RouteSource = StaticRoutes([])  # without a tracker: every layer here, no hops
     if client is not None:
-        routes = TrackerRoutes(client, member)
+        routes = TrackerRoutes(client, member, metrics=service.metrics)
     return EntryRole(config, entry, service, routes, transport), transport.aclose
 
 

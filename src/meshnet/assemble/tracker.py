@@ -91,6 +91,7 @@ class RegistryRoutes:
         self.registry = registry
         self.rng = rng
         self.origin = origin  # this entry's node id: routes count round trips from it
+        self.degraded = False  # the registry is in this process: never out of reach
 
     async def route(
         self,

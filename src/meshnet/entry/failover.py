@@ -97,7 +97,9 @@ async def _new_chain(
     await _ban(hops, session, failed, error)
     for attempt in range(hops.retry.max_attempts):
         try:
-            return await find(frozenset(session.banned) | hops.bans.active())
+            found = await find(frozenset(session.banned) | hops.bans.active())
+            session.degraded |= hops.routes.degraded
+            return found
         except HopError as exc:  # a replacement failed too: ban it as well, try again
             last = exc
             if exc.hop is not None:

@@ -218,6 +218,7 @@ class Generator:
             rounds.accepted,
             rounds.rounds,
             index,
+            session.degraded,
         )
 
     def _report(

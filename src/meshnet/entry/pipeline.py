@@ -115,7 +115,7 @@ class Pipeline:
         except BaseException:
             self.executor.admitted(session)
             raise
-        return PipelineSession(session, hops)
+        return PipelineSession(session, hops, degraded=self.hops.routes.degraded)
 
     def fork(self, parent: PipelineSession) -> PipelineSession:
         """A new session continuing `parent`'s tokens (fed, none pending): its first frame

@@ -31,6 +31,7 @@ class PipelineSession:
     # a fork not yet fed: its first frames tell every cache to start as a copy of this
     # session's (ADR-0045)
     forking: SessionId | None = None
+    degraded: bool = False  # a route of it came from the members last seen (no tracker)
 
     def __post_init__(self) -> None:
         self.inputs = self.inputs or [[] for _ in self.hops]

@@ -101,6 +101,11 @@ class Metrics:
             ["peer"],
             registry=r,
         )
+        self.degraded_routes = Counter(
+            "meshnet_degraded_routes",
+            "Routes this entry made among the members it last saw: the tracker was unreachable",
+            registry=r,
+        )
         self.failovers = Counter(
             "meshnet_failovers", "Hops replaced mid-session by this entry node", registry=r
         )

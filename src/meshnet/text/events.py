@@ -41,6 +41,7 @@ class Finished:
     accepted_tokens: int = 0  # of those, the ones that stood
     decode_rounds: int = 0  # trips through the mesh after the prompt's
     index: int = 0  # the answer (choice) it ends
+    degraded: bool = False  # routed among the members last seen: the tracker was unreachable
 
     @property
     def decode_tokens_per_s(self) -> float:

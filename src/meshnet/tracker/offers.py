@@ -48,6 +48,11 @@ def known_by_content(name: str, store: WeightStore) -> str | None:
     return manifest.digest
 
 
+# a (re)started tracker waits this many heartbeat intervals before it plans: every live node
+# registers again meanwhile, declaring its spans (a node refused as unknown does at once)
+REJOIN_BEATS = 2.0
+
+
 def build_registry(config: TrackerConfig, store: WeightStore | None = None) -> Registry:
     offers, sources, kinds, digests = [], {}, {}, {}
     for name in config.models:
@@ -73,6 +78,7 @@ def build_registry(config: TrackerConfig, store: WeightStore | None = None) -> R
         suspect_s=config.suspect_s,
         max_nodes=config.max_nodes,
         max_per_address=config.max_nodes_per_address,
+        rejoin_beats=REJOIN_BEATS,
     )
     registry.source_kinds = {m: k for m, k in kinds.items() if k is not None}
     registry.digests = digests

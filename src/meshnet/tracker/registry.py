@@ -5,6 +5,8 @@ in FastAPI's thread pool); the clock is injected. Only spans a node reports load
 coverage; spans it was told to load (or reports loading) block re-assignment. A heartbeat
 that changes no holding, failure or membership plans nothing; when a plan takes long (a big
 mesh), the next one waits so that planning keeps to `PLANNING_SHARE` of the tracker's time.
+A tracker that (re)starts plans nothing for its first `rejoin_beats` intervals: live nodes
+register again meanwhile and declare what they hold, so a restart moves no span (issue 50).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Registry:
         max_nodes: int = 20_000,
         max_per_address: int = 64,
         timer: Callable[[], float] = time.perf_counter,
+        rejoin_beats: float = 0.0,
     ) -> None:
         self.offers = {o.model: o for o in offers}
         self.sources = sources  # model id -> what nodes pass to their loader
@@ -123,7 +126,7 @@ class Registry:
         self.requests: deque[tuple[float, NodeId, msg.RequestSummary]] = deque(maxlen=50)
         self.dirty = False  # something changed since the last plan
         self.plans = 0  # plans run (tests and the churn benchmark count them)
-        self._next_plan_s = float("-inf")  # clock time before which a due plan waits
+        self._next_plan_s = clock() + rejoin_beats * self.base_interval_s  # no plan before
         self._turn = 0  # where the next scan for a span's weight holders starts
 
     @property
@@ -355,21 +358,6 @@ class Registry:
                 f"span {ref.span} is outside {ref.model}'s {offer.num_layers} layers", field="span"
             )
         return ModelId(ref.model), ref.span
-
-    def issued(self) -> list[msg.IssuedDirective]:
-        """The directives issued lately, oldest first, with their ages."""
-        now = self.clock()
-        return [
-            msg.IssuedDirective(
-                node_id=d.node_id,
-                op=d.op,
-                model=d.model,
-                span=d.span,
-                reason=d.reason,
-                age_s=round(now - at, 3),
-            )
-            for at, d in self.recent
-        ]
 
     def to_message(self, directive: Directive) -> msg.DirectiveMessage:
         return msg.DirectiveMessage(

@@ -143,7 +143,7 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
     return msg.CoverageResponse(
         models=models,
         nodes=nodes,
-        recent_directives=registry.issued(),
+        recent_directives=issued(registry),
         recent_requests=requests,
         heartbeat_interval_s=registry.interval_s,
     )
@@ -188,3 +188,16 @@ def _routable(model: ModelId, num_layers: int, live: list[Server]) -> bool:
     except RouteError:
         return False
     return True
+
+
+def issued(registry: Registry) -> list[msg.IssuedDirective]:
+    """The directives issued lately, oldest first, with their ages."""
+    with registry.lock:
+        now, recent = registry.clock(), list(registry.recent)
+    return [
+        msg.IssuedDirective(
+            node_id=d.node_id, op=d.op, model=d.model, span=d.span, reason=d.reason,
+            age_s=round(now - at, 3),
+        )
+        for at, d in recent
+    ]  # fmt: skip
