@@ -22,9 +22,11 @@ DATA_TEXT = "english.txt"
 def gemma3_reference(gemma3_source: ModelSource) -> Any:
     """transformers' Gemma3ForCausalLM (fp32) with the weights our reader dequantizes."""
     from transformers import Gemma3ForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = gemma3_source.arch.hf_config(gemma3_source.spec, gemma3_source.raw_config)
-    model = Gemma3ForCausalLM(config).eval()
+    with no_init_weights():  # every weight is loaded below: random init costs ~5 s
+        model = Gemma3ForCausalLM(config).eval()
     checkpoint = open_checkpoint(gemma3_source)
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
     state = {k: checkpoint.read(tied.get(k, k)) for k in model.state_dict()}

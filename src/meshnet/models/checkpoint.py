@@ -112,13 +112,18 @@ class GgufCheckpoint:
         if gguf_name not in self.tensors:
             raise ModelError(f"tensor {gguf_name!r} ({name}) is missing from {self.path.name}")
         tensor = self.tensors[gguf_name]
-        values = dequantize(tensor.data, tensor.tensor_type)  # float32, [out, in] torch order
+        values = _fast_dequantize(tensor.data, int(tensor.tensor_type))  # a fresh array
+        owned = values is not None
+        if values is None:  # not quantized (F32, F16...), or no ggml here
+            values = dequantize(tensor.data, tensor.tensor_type)  # float32, [out, in] order
         if permute == "plus_one":  # Gemma's norms: llama.cpp keeps 1 + w
             values = values - 1.0
         elif permute is not None:
             heads = self.spec.num_heads if permute == "q" else self.spec.num_kv_heads
             values = unpermute_rope(values, heads)
-        return torch.from_numpy(np.array(values, dtype=np.float32))  # own, writable copy
+        if not owned:  # gguf's arrays may view the mapped file: an own, writable copy
+            values = np.array(values, dtype=np.float32)
+        return torch.from_numpy(values)
 
     def read_int4(self, name: str) -> Int4Blocks | None:
         """A Q4_0/Q4_1/Q4_K tensor's blocks, rows in Hugging Face order; None for others."""
@@ -138,3 +143,12 @@ def unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of rotary halves in q/k rows: [out, ...] -> [out, ...]."""
     half = weight.shape[0] // heads // 2
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _fast_dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
+    """ggml's C dequantizer where ggml-python is installed (`ggml_lib.dequantize`)."""
+    try:
+        from meshnet.models.ggml_lib import dequantize
+    except ModelError:  # no ggml-python: gguf's numpy reader does it, slower
+        return None
+    return dequantize(data, ggml_type)
