@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,6 +167,29 @@ def test_gguf_tokenizer_is_cached_and_loads_the_same(
     ]
     assert ids["input_ids"] == expected["input_ids"]
     assert cached.eos_token_id == fresh.eos_token_id == 2
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_ggmls_dequantizer_equals_the_gguf_packages_for_every_quantized_type(which: str) -> None:
+    """`GgufCheckpoint.read` dequantizes with ggml's C code (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K in
+    the two files): the same float32 values as gguf's numpy reader, one tensor of each type."""
+    from gguf.quants import dequantize as reference
+
+    from meshnet.models.ggml_lib import dequantize
+    from meshnet.models.gguf_file import read_gguf
+    from tests.models.fixtures import gemma3_gguf
+
+    path = gemma3_gguf() if which == "gemma3" else resolve("default").path
+    seen: dict[str, Any] = {}  # the smallest tensor of each type
+    for tensor in sorted(read_gguf(path).tensors, key=lambda t: -t.data.nbytes):
+        seen[tensor.tensor_type.name] = tensor
+    quantized = {n: t for n, t in seen.items() if n not in ("F32", "F16")}
+    assert quantized
+    for tensor in quantized.values():
+        ours = dequantize(tensor.data, int(tensor.tensor_type))
+        assert ours is not None
+        assert np.array_equal(ours, reference(tensor.data, tensor.tensor_type))
+    assert dequantize(np.zeros((2, 4), np.uint8), 0) is None  # F32: not quantized
 
 
 def test_the_fast_gguf_index_equals_the_gguf_packages_reader(default_source: ModelSource) -> None:
