@@ -44,6 +44,19 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ[name] = value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_converted(private_home: Path, request: pytest.FixtureRequest) -> None:
+    """Before a worker's first test: the default model's tokenizer in the cache, when the run
+    has tests with meshes. Their processes start several at once and each converted the GGUF
+    vocabulary itself while the cache was empty (5 conversions of 6-14 s in a fresh clone's
+    suite run, 2026-12-07)."""
+    if any(item.get_closest_marker("mesh") for item in request.session.items):
+        from meshnet.models.loader import load_tokenizer
+        from meshnet.models.source import resolve
+
+        load_tokenizer(resolve("default"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     share_cores_among_workers()
 
@@ -83,8 +96,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu_tests(items)
 
 
-# the one test that runs longest by far (160-210 s of a 2-core suite run, 2026-12-06)
-LONGEST = ("tests/test_benchmarks.py::test_wan_benchmark_designs_encodings_and_drafts_on_one_mesh",)
+# the single test that runs longest (52 s of a 2-core suite run, 2026-12-07)
+LONGEST = ("tests/test_benchmarks.py::test_wan_benchmark_compares_the_designs_behind_delaying_proxies",)
 
 
 def heaviest_first(items: list[pytest.Item]) -> None:

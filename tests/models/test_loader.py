@@ -167,6 +167,15 @@ def test_gguf_tokenizer_is_cached_and_loads_the_same(
     ]
     assert ids["input_ids"] == expected["input_ids"]
     assert cached.eos_token_id == fresh.eos_token_id == 2
+    # another copy of the file (a fresh virtual environment's: another path and mtime) finds
+    # the same cached tokenizer: the cache is keyed by the file's header, not its mtime
+    copy = tmp_path / "elsewhere" / default_source.path.name
+    copy.parent.mkdir()
+    shutil.copyfile(default_source.path, copy)
+    started = time.perf_counter()
+    load_tokenizer(resolve(str(copy)), cache_dir=tmp_path)
+    assert time.perf_counter() - started < 3.0
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
 
 
 @pytest.mark.parametrize("which", ["default", "gemma3"])

@@ -8,6 +8,7 @@ assigned, one at a time: the full model never exists in memory.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ from torch import nn
 from meshnet.errors import ModelError
 from meshnet.models import quantize
 from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsCheckpoint
+from meshnet.models.gguf_file import read_gguf
 from meshnet.models.int4 import Int4Blocks
 from meshnet.models.quant import check_device, scheme_of
 from meshnet.models.shard import Head, Shard
@@ -215,16 +217,17 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> Any:
 
     Building one from a GGUF file's vocabulary takes ~10 s on this machine; the result is
     saved once under `cache_dir` (default `$MESHNET_CACHE` or `~/.cache/meshnet`) and loaded
-    from there (~0.2 s) by every later process.
+    from there (~0.2 s) by every later process. It is keyed by the file's header (vocabulary,
+    template and index: what the tokenizer is made of), so another copy of the same file (a
+    fresh virtual environment's, another mtime) finds it too.
     """
     from transformers import AutoTokenizer
 
     folder, kwargs = source.tokenizer_location()
     if source.kind != "gguf":
         return AutoTokenizer.from_pretrained(folder, **kwargs)
-    stat = source.path.stat()
     root = cache_dir or Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet"))
-    cached = root / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cached = root / "tokenizers" / f"{source.path.stem}-{header_digest(source.path)[:16]}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     with progress(f"converting {source.path.name}'s vocabulary to a tokenizer (once)"):
@@ -242,3 +245,10 @@ def _save_atomically(tokenizer: Any, target: Path) -> None:
         scratch.rename(target)
     except OSError:  # another process got there first; its copy is as good as ours
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def header_digest(path: Path) -> str:
+    """SHA-256 of a GGUF file's header: the bytes before its tensor data (a few MB)."""
+    start = read_gguf(path).data_start
+    with path.open("rb") as f:
+        return hashlib.sha256(f.read(start)).hexdigest()
