@@ -97,7 +97,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # the single test that runs longest (52 s of a 2-core suite run, 2026-12-07)
-LONGEST = ("tests/test_benchmarks.py::test_wan_benchmark_compares_the_designs_behind_delaying_proxies",)
+LONGEST = (
+    "tests/test_benchmarks.py::test_wan_benchmark_compares_the_designs_behind_delaying_proxies",
+)
 
 
 def heaviest_first(items: list[pytest.Item]) -> None:
