@@ -265,10 +265,13 @@ def test_holders_are_found_among_the_first_that_serve_and_the_start_turns() -> N
 
 def test_a_restarted_tracker_moves_no_span_while_its_nodes_register_again() -> None:
     """Issue 50: four nodes held 10:20 and 20:30 twice each; a tracker that planned at the
-    second registration saw a gap at 20:30 and moved a copy of 10:20 there. For its first
-    `rejoin_beats` intervals it plans nothing; then it finds every span held and moves none."""
+    second registration saw a gap at 20:30 and moved a copy of 10:20 there. For
+    `rejoin_beats` intervals from its first registration (not from its start: a tracker that
+    loads its own span first may take longer than that to listen) it plans nothing; then it
+    finds every span held and moves none."""
     clock = Clock()
     reg = registry(clock, heartbeat_interval_s=1.0, rejoin_beats=2.0)
+    clock.now = 10.0  # its own start-up: loading a span, converting a vocabulary
     held = {"a": (10, 20), "b": (10, 20), "c": (20, 30), "d": (20, 30), "e": (0, 10)}
     for name, (start, end) in held.items():
         ref = msg.ShardRef(model="m", span=LayerSpan(start, end))
@@ -276,7 +279,7 @@ def test_a_restarted_tracker_moves_no_span_while_its_nodes_register_again() -> N
         assert reg.register(body) == []
         clock.now += 0.3
     assert reg.plans == 0
-    clock.now = 2.0
+    clock.now = 12.0
     beat = msg.HeartbeatRequest(
         node_id="a", loaded=[msg.ShardRef(model="m", span=LayerSpan(10, 20))]
     )
@@ -288,6 +291,8 @@ def test_a_new_tracker_plans_for_the_nodes_that_joined_once_its_window_is_over()
     clock = Clock()
     reg = registry(clock, heartbeat_interval_s=1.0, rejoin_beats=2.0)
     assert reg.register(request("a", 400)) == []
+    clock.now = 1.9
+    assert reg.heartbeat(msg.HeartbeatRequest(node_id="a")) == []  # still in its window
     clock.now = 2.0
     directives = reg.heartbeat(msg.HeartbeatRequest(node_id="a"))
     assert [(d.op, str(d.span)) for d in directives] == [("LOAD_SHARD", "0:30")]

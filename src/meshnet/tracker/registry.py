@@ -5,8 +5,8 @@ in FastAPI's thread pool); the clock is injected. Only spans a node reports load
 coverage; spans it was told to load (or reports loading) block re-assignment. A heartbeat
 that changes no holding, failure or membership plans nothing; when a plan takes long (a big
 mesh), the next one waits so that planning keeps to `PLANNING_SHARE` of the tracker's time.
-A tracker that (re)starts plans nothing for its first `rejoin_beats` intervals: live nodes
-register again meanwhile and declare what they hold, so a restart moves no span (issue 50).
+A (re)started tracker plans nothing for `rejoin_beats` intervals from its first registration:
+live nodes register again meanwhile and declare what they hold, so a restart moves no span.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ class Registry:
         self.requests: deque[tuple[float, NodeId, msg.RequestSummary]] = deque(maxlen=50)
         self.dirty = False  # something changed since the last plan
         self.plans = 0  # plans run (tests and the churn benchmark count them)
-        self._next_plan_s = clock() + rejoin_beats * self.base_interval_s  # no plan before
+        self._next_plan_s = float("-inf")  # clock time before which a due plan waits
+        self.rejoin_s: float | None = rejoin_beats * self.base_interval_s  # None: under way
         self._turn = 0  # where the next scan for a span's weight holders starts
 
     @property
@@ -160,6 +161,8 @@ class Registry:
         token its later calls must carry (None: registered in-process, unchecked)."""
         with self.lock:
             self.validate(request)
+            if self.rejoin_s is not None:  # the first registration: the others are coming
+                self._next_plan_s, self.rejoin_s = self.clock() + self.rejoin_s, None
             node_id, address = NodeId(request.node_id), peer or host_of(request.address)
             check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
             loaded = {self._key(ref) for ref in request.loaded}
