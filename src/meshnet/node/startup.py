@@ -107,7 +107,7 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
 
 class SpanRole:
     """What a `--no-entry` node does with the spans it loads: serves them, nothing more (no
-    head, no API; the agent's `load`/`attach`/`detach`, as `entry.role.EntryRole` has)."""
+    head, no API; the agent's `load`/`attach`/`detach`, as `assemble.entry.EntryRole` has)."""
 
     def __init__(self, config: NodeConfig, service: NodeService) -> None:
         self.node = config
