@@ -24,7 +24,7 @@ def test_speed_switches_map_onto_node_config(
 
 
 def test_flag_defaults_are_the_config_defaults() -> None:
-    from meshnet.cli.serve import entry_config, tracker_config
+    from meshnet.cli.configs import entry_config, tracker_config
     from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 
     node = build_parser().parse_args(["node"])

@@ -68,7 +68,7 @@ class NodeConfig:
     # a decode round waits this long at most for the sessions of the last one: they arrive
     # one HTTP request after another (ADR-0027)
     batch_wait_s: float = 0.01
-    tracker_url: str | None = None  # join this tracker and serve what it assigns
+    trackers: tuple[str, ...] = ()  # join the mesh of these trackers (URLs): serve what they assign
     public_address: str | None = None  # the address peers use, when not http://host:port
     budget_bytes: int | None = None  # memory for weights + KV cache; None = a safe default
     kv_reserve_fraction: float = 0.1  # share of the budget kept for KV caches
@@ -145,6 +145,8 @@ class TrackerConfig:
     max_nodes_per_address: int = 64  # ...and beyond this many from one address
     data_dir: str | None = None  # keeps its models' manifests; None = ~/.meshnet/tracker
     weights_upload_bytes_s: float | None = None  # weights served to members; None: no cap
+    peers: tuple[str, ...] = ()  # the mesh's other trackers (URLs): one of them plans at a time
+    public_url: str | None = None  # how its peers list this tracker; None: http(s)://HOST:PORT
 
 
 @dataclass(frozen=True)

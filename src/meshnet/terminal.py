@@ -1,7 +1,8 @@
 """`meshnet generate` and `meshnet chat`: terminal clients of an entry node's API.
 
 They speak the OpenAI-compatible API over HTTP (server-sent events), like any other client.
-`--tracker URL` is a tracker (or any entry node): they ask it for the model's entries
+`--tracker URL` is a tracker (or any entry node; URL1,URL2,...: the first of a mesh's trackers
+that answers): they ask it for the model's entries
 (`/v1/entries`) and send each request to the least loaded one directly, so the answer does
 not pass through the tracker; an entry that cannot be reached or refuses before answering
 (401, 403, 5xx) is skipped, and the tracker itself is the last resort.
@@ -13,7 +14,7 @@ import contextlib
 import json
 import ssl
 import sys
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -146,6 +147,20 @@ def check_response(response: httpx.Response) -> None:
         except (ValueError, KeyError, TypeError):
             message = response.text[:300]
         raise ApiError(f"{response.status_code}: {message}")
+
+
+def answering(urls: Sequence[str], ca_file: str | None = None, timeout_s: float = 3.0) -> str:
+    """The first of a mesh's trackers (`urls`, in order) that answers `/health`; the others
+    are named on stderr. None answering: the first (its error is what the user sees)."""
+    verify = ssl.create_default_context(cafile=ca_file)
+    with httpx.Client(timeout=timeout_s, verify=verify) as client:
+        for url in urls:
+            try:
+                if client.get(url.rstrip("/") + "/health").status_code == 200:
+                    return url
+            except httpx.HTTPError as exc:
+                print(f"tracker {url} does not answer ({exc}); trying the next", file=sys.stderr)
+    return urls[0]
 
 
 def run_generate(url: str, prompt: str, options: GenerateOptions, out: TextIO = sys.stdout) -> int:

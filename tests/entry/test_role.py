@@ -25,7 +25,7 @@ MB = 1 << 20
 def node_config(tmp_path: Path) -> NodeConfig:
     # joins a tracker that is never reached: the app's lifespan (the agent) is not started
     return NodeConfig(
-        tracker_url="http://127.0.0.1:9", data_dir=str(tmp_path), budget_bytes=100 * MB
+        trackers=("http://127.0.0.1:9",), data_dir=str(tmp_path), budget_bytes=100 * MB
     )
 
 

@@ -16,7 +16,7 @@ from meshnet.errors import MeshError
 from meshnet.http_errors import install_error_handlers
 from meshnet.node.app import NodeService
 from meshnet.node.app import create_app as create_node_app
-from meshnet.node.startup import tracker_client
+from meshnet.node.trackers import tracker_client
 from meshnet.security.access import Credentials, Guard, client_of, match, rule
 from meshnet.security.signing import AnswerNotSigned, CheckedSwarmAuth, Signer
 from meshnet.tracker.app import create_app as create_tracker_app

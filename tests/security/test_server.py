@@ -31,10 +31,15 @@ async def hello(request: Request) -> PlainTextResponse:
 
 
 @contextlib.contextmanager
-def serving(app: Starlette, limits: ServerLimits = LIMITS) -> Iterator[int]:
-    """`app` under uvicorn as meshnet configures it, in a thread; its port."""
-    chosen = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", chosen, limits))
+def serving(
+    app: Starlette, limits: ServerLimits = LIMITS, port: int | None = None, loop: str = ""
+) -> Iterator[int]:
+    """`app` under uvicorn as meshnet configures it, in a thread; its port (`port`: that one;
+    `loop`: another event loop than meshnet's)."""
+    chosen = port or free_port()
+    config = server_config(app, "127.0.0.1", chosen, limits)
+    config.loop = loop or config.loop
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -296,3 +296,37 @@ def test_a_new_tracker_plans_for_the_nodes_that_joined_once_its_window_is_over()
     clock.now = 2.0
     directives = reg.heartbeat(msg.HeartbeatRequest(node_id="a"))
     assert [(d.op, str(d.span)) for d in directives] == [("LOAD_SHARD", "0:30")]
+
+
+def test_a_follower_plans_nothing_takes_what_nodes_hold_and_moves_nothing_once_it_leads() -> None:
+    """ADR-0057: one of several trackers, without the lease: it answers with no directives
+    and term None, takes the spans nodes report (the planner assigned them) within their
+    budgets, and once it holds the lease its first plan keeps every one of them."""
+    from meshnet.tracker.lease import Lease
+
+    clock = Clock()
+    planner, follower = registry(clock), registry(clock)
+    follower.lease = Lease("http://b", ["http://a", "http://b"], 3.0, 0.0)
+    for name in ("a", "b", "c"):
+        planner.register(request(name))
+        assert follower.register(request(name)) == []
+    for name in ("a", "b", "c"):
+        beat = msg.HeartbeatRequest(node_id=name, loaded=loaded(planner, name))
+        planner.heartbeat(beat)
+        assert follower.heartbeat(beat) == [] and follower.term() is None
+    assert follower.plans == 0
+    assert {n: r.pinned for n, r in follower.nodes.items()} == {
+        n: r.assigned | r.loaded for n, r in planner.nodes.items()
+    }
+    greedy = msg.HeartbeatRequest(
+        node_id="a", loaded=[msg.ShardRef(model="m", span=LayerSpan(0, 30))]
+    )
+    with pytest.raises(Exception, match="budget"):  # 300 MB of layers on a 100 MB budget
+        follower.heartbeat(greedy)
+    voter = Lease("http://a", ["http://a", "http://b"], 3.0, 0.0)
+    ask = follower.lease.ask(clock.now)
+    own = follower.lease.vote(ask, clock.now)
+    assert follower.lease.tally(ask, clock.now, own, [voter.vote(ask, clock.now)])
+    assert follower.plans_now() and follower.term() == ask.term
+    follower.plan_if_due()
+    assert follower.plans == 1 and not follower.recent  # coverage was whole: nothing moves

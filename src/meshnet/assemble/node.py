@@ -45,9 +45,9 @@ from meshnet.node.startup import (
     data_dir,
     node_backend,
     registration,
-    tracker_client,
 )
 from meshnet.node.threads import ComputeThreads
+from meshnet.node.trackers import check_trackers, tracker_client
 from meshnet.node.weights import NodeWeights
 from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Rule
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from meshnet.entry.transport import HttpTransport
 
 log = logging.getLogger(__name__)
-ClientFactory = Callable[[], httpx.AsyncClient]
+ClientFactory = Callable[[], list[httpx.AsyncClient]]  # one client per tracker
 
 
 def on_device(config: NodeConfig) -> NodeConfig:
@@ -83,7 +83,7 @@ def pinned_span(config: NodeConfig) -> LayerSpan | None:
     """The span given by hand (`--layers`), or the whole model when there is no tracker."""
     if config.layers is not None:
         return LayerSpan.parse(config.layers)
-    if config.tracker_url is None:
+    if not config.trackers:
         return LayerSpan(0, resolve(config.model).spec.num_layers)
     return None
 
@@ -131,11 +131,11 @@ def node_weights(
     it holds to other members (ADR-0054)."""
     store = WeightStore(data_dir(config) / "weights", config.weights_cache_bytes)
     server = WeightServer(store, UploadLimit(config.weights_upload_bytes_s), service.metrics)
-    if config.tracker_url is None:
+    if not config.trackers:
         return None, server
     weights = NodeWeights(
         store,
-        config.tracker_url,
+        config.trackers[0],  # the tracker serves what no member holds (any would do)
         entry=config.entry,
         signer=Signer(access.swarm_key),
         verify=client_context(access.tls),
@@ -157,9 +157,10 @@ def agent_lifespan(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        async with client() as http:
+        async with contextlib.AsyncExitStack() as stack:
+            https = [await stack.enter_async_context(c) for c in client()]
             agent = NodeAgent(
-                service, http, request, role.load, role.attach, role.detach, member, weights
+                service, https, request, role.load, role.attach, role.detach, member, weights
             )
             task = asyncio.create_task(agent.run())
             service.on_exit = lambda: asyncio.ensure_future(agent.retire(task))
@@ -188,8 +189,8 @@ def build_app(
     member = Membership.kept(request.node_id, data_dir(config) / "membership_token")
     service.forwarder.max_budget_ms = int(1000 * entry.hop_timeout_s)
     client = None
-    if config.tracker_url is not None:
-        client = tracker_client(config.tracker_url, access, entry.route_timeout_s)
+    if config.trackers:  # routes, coverage: from whichever tracker answers
+        client = tracker_client(config.trackers, access, entry.route_timeout_s)
         service.forwarder.directory = tracker_directory(client)  # whom it may push to
     role: EntryRole | SpanRole = SpanRole(config, service)
     api: ASGIApp | None = None
@@ -205,10 +206,15 @@ def build_app(
         load_pinned(role, config, pinned)
     weights, server = node_weights(config, access, service)
     lifespan = None
-    if config.tracker_url is not None:
-        url = config.tracker_url
+    if config.trackers:
+        urls = config.trackers
         lifespan = agent_lifespan(
-            role, lambda: tracker_client(url, access), request, on_stop, member, weights
+            role,
+            lambda: [tracker_client(u, access) for u in urls],
+            request,
+            on_stop,
+            member,
+            weights,
         )
     app = create_app(
         service=service,
@@ -281,7 +287,7 @@ def entry_api(
 def load_pinned(role: EntryRole | SpanRole, config: NodeConfig, span: LayerSpan) -> None:
     """Load the span given by hand before serving (with the head when it is an entry's)."""
     partial = span.end < resolve(config.model).spec.num_layers
-    if config.tracker_url is None and config.entry and span.start == 0 and partial:
+    if not config.trackers and config.entry and span.start == 0 and partial:
         raise ModelError(
             f"without --tracker an entry must serve all layers, not {span} (no route to the "
             "rest); --no-entry serves the span alone"
@@ -301,6 +307,8 @@ def torch_computes(config: NodeConfig) -> bool:
 def serve(config: NodeConfig, access: AccessConfig, entry: EntryConfig, limits: ApiLimits) -> None:
     """Load, (join,) then serve until SIGTERM or Ctrl-C."""
     config = on_device(config)
+    if len(config.trackers) > 1:  # trackers of two meshes: refused before anything loads
+        check_trackers(config.trackers, client_context(access.tls))
     if torch_computes(config):
         pin_loop_thread()  # before any torch op: model work belongs to the compute thread
     app = build_app(config, access, entry, limits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import httpx
@@ -39,6 +39,7 @@ from meshnet.config import (
     TrackerConfig,
 )
 from meshnet.entry.routes import hops_of
+from meshnet.errors import ConfigError
 from meshnet.node.app import access_rules as node_rules
 from meshnet.node.app import add_node_routes
 from meshnet.node.compute import pin_loop_thread
@@ -51,6 +52,7 @@ from meshnet.tracker import views
 from meshnet.tracker.app import create_app as create_tracker_app
 from meshnet.tracker.forward import EntryForwarder, ready_models
 from meshnet.tracker.offers import build_registry, offer, tracker_store
+from meshnet.tracker.peering import Peering, check_peers, own_url
 from meshnet.tracker.probe import HttpProber, OwnNodeTrusted
 from meshnet.tracker.registry import Registry
 from meshnet.types import Hop, ModelId, NodeId
@@ -74,9 +76,37 @@ def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig
     forwarder = EntryForwarder(registry, forwarding_client(access.tls), signer=signer)
     prober = HttpProber(Signer(access.swarm_key), verify=client_context(access.tls))
     weights = weight_server(config, store, registry)
+    peering = tracker_peering(config, access, registry)
     return create_tracker_app(
-        registry, config, prober=prober, access=access, forwarder=forwarder, weights=weights
+        registry,
+        config,
+        prober=prober,
+        access=access,
+        forwarder=forwarder,
+        weights=weights,
+        peering=peering,
     )
+
+
+def tracker_hello(
+    config: TrackerConfig, access: AccessConfig, models: Sequence[str]
+) -> msg.TrackerHello:
+    url = own_url(config.host, config.port, scheme(access.tls), config.public_url)
+    trackers = sorted({url, *(p.rstrip("/") for p in config.peers)})
+    return msg.TrackerHello(url=url, trackers=trackers, models=sorted(models))
+
+
+def tracker_peering(
+    config: TrackerConfig, access: AccessConfig, registry: Registry
+) -> Peering | None:
+    """One of several trackers (`--peers`): the lease rounds among them (ADR-0057)."""
+    if not config.peers:
+        return None
+    hello = tracker_hello(config, access, list(registry.offers))
+    client = httpx.AsyncClient(
+        auth=Signer(access.swarm_key).auth(TRACKER), verify=client_context(access.tls)
+    )
+    return Peering(hello, registry, client)
 
 
 def weight_server(config: TrackerConfig, store: WeightStore, registry: Registry) -> WeightServer:
@@ -125,6 +155,11 @@ def build_tracker_node_app(
     limits: ApiLimits = ApiLimits(),
 ) -> FastAPI:
     """`meshnet tracker --layers 0:K`: the control plane plus an entry node, in one process."""
+    if tracker.peers:
+        raise ConfigError(
+            "--peers needs trackers without a span of their own (no --layers, no --budget): "
+            "their nodes join every tracker with --tracker URL1,URL2,..."
+        )
     store = tracker_store(tracker)
     registry = build_registry(tracker, store)
     signer = Signer(access.swarm_key)
@@ -174,11 +209,13 @@ def build_tracker_node_app(
     )
     own = agent_lifespan(  # registers with this very app, in-process (signed like any node)
         role,
-        lambda: httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 0)),
-            base_url="http://self",
-            auth=signer.auth(TRACKER),
-        ),
+        lambda: [
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 0)),
+                base_url="http://self",
+                auth=signer.auth(TRACKER),
+            )
+        ],
         request,
         transport.aclose,
     )
@@ -198,6 +235,10 @@ def build_tracker_node_app(
 
 def serve_tracker(config: TrackerConfig, access: AccessConfig) -> None:
     app = build_tracker_app(config, access)
+    if config.peers:  # refuse peers of another mesh before serving (ConfigError)
+        models = [offer(name).model for name in config.models]
+        signer, verify = Signer(access.swarm_key), client_context(access.tls)
+        check_peers(tracker_hello(config, access, models), signer, verify)
     log.info("tracker on %s://%s:%d", scheme(access.tls), config.host, config.port)
     options = server_options(access.tls)
     uvicorn.Server(server_config(app, config.host, config.port, ServerLimits(), **options)).run()

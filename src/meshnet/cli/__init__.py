@@ -14,14 +14,9 @@ from collections.abc import Sequence
 
 from meshnet import __version__
 from meshnet.cli.client import add_client_commands, run_client
+from meshnet.cli.configs import node_config, tracker_node_config
 from meshnet.cli.flags import add_log_flags, check_environment
-from meshnet.cli.serve import (
-    add_serve_commands,
-    node_config,
-    run_node,
-    run_tracker,
-    tracker_node_config,
-)
+from meshnet.cli.serve import add_serve_commands, run_node, run_tracker
 from meshnet.errors import MeshError
 from meshnet.observe.logs import configure as configure_logging
 

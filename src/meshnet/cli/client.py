@@ -7,10 +7,11 @@ import os
 from typing import Any
 
 from meshnet.cli.access import not_on_argv
+from meshnet.cli.flags import url_list
 from meshnet.errors import MeshError
 from meshnet.security.keys import resolve_swarm_key
 from meshnet.status import run_status
-from meshnet.terminal import GenerateOptions, run_chat, run_generate
+from meshnet.terminal import GenerateOptions, answering, run_chat, run_generate
 
 DEFAULT_TRACKER = "http://127.0.0.1:8000"
 
@@ -24,7 +25,12 @@ def add_client_commands(sub: Any) -> None:
             client.add_argument("prompt", help="the prompt (a user message unless --raw)")
             client.add_argument("--raw", action="store_true", help="complete the prompt as text")
     status = sub.add_parser("status", help="show a tracker's coverage map and nodes")
-    status.add_argument("--tracker", default=DEFAULT_TRACKER, help="the tracker's URL")
+    status.add_argument(
+        "--tracker",
+        type=url_list,
+        default=(DEFAULT_TRACKER,),
+        help="the tracker's URL (URL1,URL2,...: the first of them that answers)",
+    )
     status.add_argument(
         "--api-key",
         type=not_on_argv("set MESHNET_API_KEY"),
@@ -38,8 +44,10 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     default = GenerateOptions()
     parser.add_argument(
         "--tracker",
-        default=DEFAULT_TRACKER,
-        help="the tracker-as-entry-node (or an entry node) to ask (default %(default)s)",
+        type=url_list,
+        default=(DEFAULT_TRACKER,),
+        help="the tracker-as-entry-node (or an entry node) to ask; URL1,URL2,...: the first "
+        f"of a mesh's trackers that answers (default {DEFAULT_TRACKER})",
     )
     parser.add_argument("--model", help="model id (default: the first one served)")
     parser.add_argument("--max-tokens", type=int, default=default.max_tokens)
@@ -110,8 +118,9 @@ def status_swarm_key(args: argparse.Namespace) -> str | None:
 
 
 def run_client(args: argparse.Namespace) -> int:
+    url = answering(args.tracker, args.tls_ca) if len(args.tracker) > 1 else args.tracker[0]
     if args.command == "generate":
-        return run_generate(args.tracker, args.prompt, generate_options(args))
+        return run_generate(url, args.prompt, generate_options(args))
     if args.command == "chat":
-        return run_chat(args.tracker, generate_options(args))
-    return run_status(args.tracker, api_key(), status_swarm_key(args), ca_file=args.tls_ca)
+        return run_chat(url, generate_options(args))
+    return run_status(url, api_key(), status_swarm_key(args), ca_file=args.tls_ca)

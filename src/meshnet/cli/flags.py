@@ -72,6 +72,17 @@ def parse_draft_tokens(text: str) -> int:
     return int(text)
 
 
+def url_list(text: str) -> tuple[str, ...]:
+    """`http://a:8000,http://b:8000` -> both URLs (each http(s) with a host; at most 15)."""
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    bad = [u for u in urls if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", u)]
+    if not urls or bad or len(urls) > 15:
+        raise argparse.ArgumentTypeError(
+            f"expected URL or URL1,URL2,... (http:// or https://, at most 15), got {text!r}"
+        )
+    return urls
+
+
 def add_log_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """Log flags, accepted before or after the command (after wins)."""
     level: Any = "INFO" if defaults else argparse.SUPPRESS

@@ -9,6 +9,12 @@ import socket
 from typing import Any
 
 from meshnet.cli.access import access_config, add_access_flags, api_limits
+from meshnet.cli.configs import (
+    entry_config,
+    node_config,
+    tracker_config,
+    tracker_node_config,
+)
 from meshnet.cli.flags import (
     add_weights_flags,
     parse_bytes,
@@ -16,6 +22,7 @@ from meshnet.cli.flags import (
     parse_draft_tokens,
     parse_fraction,
     parse_threads,
+    url_list,
 )
 from meshnet.config import EntryConfig, NodeConfig, TrackerConfig
 from meshnet.security.keys import join_command
@@ -39,7 +46,12 @@ def add_serve_commands(sub: Any) -> None:
     node.add_argument("--quant", choices=QUANTS, help=QUANT_HELP)
     node.add_argument("--host", default=default.host)
     node.add_argument("--port", type=int, default=default.port)
-    node.add_argument("--tracker", help="join this tracker (URL) and serve what it assigns")
+    node.add_argument(
+        "--tracker",
+        type=url_list,
+        help="join this tracker (URL) and serve what it assigns; URL1,URL2,...: a mesh's "
+        "trackers, every one of them",
+    )
     node.add_argument("--public-address", help="address peers use, if not http://HOST:PORT")
     node.add_argument(
         "--budget",
@@ -118,6 +130,14 @@ def add_tracker_command(sub: Any) -> None:
         "--public-address",
         help="address other members use for its own span and pushed answers, if not "
         "http://HOST:PORT (nodes join at --host/--port all the same)",
+    )
+    tracker.add_argument(
+        "--peers",
+        type=url_list,
+        default=(),
+        help="the mesh's other trackers, URL1,URL2,...: every tracker takes every node, one "
+        "plans at a time and another takes over when it dies (list the same trackers on each; "
+        "--public-address is how they list this one)",
     )
     add_node_flags(tracker)
     add_access_flags(tracker)
@@ -270,85 +290,6 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         dest="compile",
         action="store_false",
         help="run the fast path's decode step eagerly, without torch.compile (for debugging)",
-    )
-
-
-def node_config(args: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        model=args.model,
-        layers=args.layers,
-        quant=args.quant,
-        host=args.host,
-        port=args.port,
-        tracker_url=args.tracker,
-        public_address=args.public_address,
-        budget_bytes=args.budget,
-        data_dir=args.data_dir,
-        entry=args.entry,
-        **node_limits(args),
-    )
-
-
-def tracker_node_config(args: argparse.Namespace) -> NodeConfig:
-    """The tracker's own entry-node part (host, port and model come from the tracker)."""
-    return NodeConfig(
-        layers=args.layers,
-        quant=args.quant,
-        budget_bytes=args.budget,
-        data_dir=args.data_dir,
-        public_address=args.public_address,
-        **node_limits(args),
-    )
-
-
-def node_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags nodes and the tracker's own span share, as `NodeConfig` fields."""
-    return {
-        "device": args.device,
-        "backend": args.backend,
-        "max_sessions": args.max_sessions,
-        "max_cache_bytes": args.max_kv_cache,
-        "session_ttl_s": args.session_ttl,
-        "fast_path": args.fast_path,
-        "compile": args.compile,
-        "host_turns": args.host_turns,
-        "threads": args.threads,
-        "weights_upload_bytes_s": args.weights_upload_limit,
-        "weights_cache_bytes": args.weights_cache,
-        "max_batch": args.max_batch,
-        "wire_encoding": args.wire_encoding,
-        "auto_compress_below_mbit_s": args.auto_compress_below,
-        "max_batch_tokens": args.max_batch_tokens,
-        "batch_wait_s": args.batch_wait,
-    }
-
-
-def entry_config(args: argparse.Namespace) -> EntryConfig:
-    return EntryConfig(
-        hop_timeout_s=args.hop_timeout,
-        step_wait_s=args.step_wait,
-        spot_check_rate=args.spot_check_rate,
-        spot_check_ban_s=args.spot_check_ban,
-        push=args.push,
-        pipelined_prefill=args.pipelined_prefill,
-        draft=args.draft,
-        max_draft_tokens=args.max_draft_tokens,
-        draft_model=args.draft_model,
-    )
-
-
-def tracker_config(args: argparse.Namespace) -> TrackerConfig:
-    return TrackerConfig(
-        models=tuple(args.models or TrackerConfig().models),
-        host=args.host,
-        port=args.port,
-        heartbeat_interval_s=args.heartbeat_interval,
-        dead_after_s=args.dead_after,
-        suspect_s=args.suspect_for,
-        max_nodes=args.max_nodes,
-        max_nodes_per_address=args.max_nodes_per_address,
-        data_dir=args.data_dir,
-        weights_upload_bytes_s=args.weights_upload_limit,
     )
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,13 +90,28 @@ def _check(response: httpx.Response, what: str) -> None:
     raise RefusedError(f"the tracker refused our {what}: {response.status_code} {reason}{hint}")
 
 
+@dataclass
+class Link:
+    """One of the mesh's trackers, as this node's agent keeps it."""
+
+    client: httpx.AsyncClient  # base_url = the tracker
+    registered: bool = False
+    retry_s: float = 0.1  # registration retries start fast: the first may beat our server
+    down: str = ""  # why it was last unreachable (logged once until it answers)
+
+    @property
+    def url(self) -> str:
+        return str(self.client.base_url).rstrip("/")
+
+
 class NodeAgent:
-    """Keeps one node registered with one tracker and its shards as the tracker directs."""
+    """Keeps one node registered with each of the mesh's trackers, and its shards as the
+    planning one directs (ADR-0057: directives of a term below the highest seen are ignored)."""
 
     def __init__(
         self,
         service: NodeService,
-        client: httpx.AsyncClient,
+        client: httpx.AsyncClient | Sequence[httpx.AsyncClient],
         registration: msg.RegisterRequest,
         loader: Loader,
         on_load: Callable[[ShardRunner], object] = lambda runner: None,
@@ -109,7 +125,9 @@ class NodeAgent:
         if weights is not None:
             weights.report = self._report_holder
         self.service = service
-        self.client = client  # base_url = the tracker
+        clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
+        self.links = [Link(c) for c in clients]
+        self.term = -1  # the highest planner term whose directives we took
         self.registration = registration
         self.loader = loader
         self.on_load = on_load  # on the event loop, once a loaded span serves
@@ -117,27 +135,44 @@ class NodeAgent:
         self.interval_s = 2.0
         self.loading: dict[tuple[str, LayerSpan], asyncio.Task[None]] = {}
         self.failed: list[msg.ShardFailure] = []
-        self.registered = False
-        self.retry_s = 0.1  # registration retries start fast: the first try may beat our server
         self._pinging: asyncio.Future[None] | None = None  # the peers' round trips being measured
 
     def loaded(self) -> list[msg.ShardRef]:
         return [msg.ShardRef(model=m, span=s) for m, s in self.service.shards]
 
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The first tracker's client."""
+        return self.links[0].client
+
+    @property
+    def registered(self) -> bool:
+        return all(link.registered for link in self.links)
+
     async def run(self) -> None:
-        """Register, then heartbeat forever (cancel to stop)."""
+        """Register, then heartbeat forever, with every tracker at its own pace (cancel to
+        stop): one that is down or slow holds none of the others back."""
+        await asyncio.gather(*(self._keep(link) for link in self.links))
+
+    async def _keep(self, link: Link) -> None:
         while True:
             try:
-                await self._beat()
+                await self._beat_one(link)
+                link.down = ""
             except (httpx.HTTPError, ValueError) as exc:
-                log.warning("tracker unreachable (%s); retrying", exc)
+                self._unreachable(link, f"unreachable ({type(exc).__name__}: {exc})")
             except RefusedError as exc:
-                log.warning("%s; retrying", exc)
-            if self.registered:
+                self._unreachable(link, str(exc))
+            if link.registered:
                 await asyncio.sleep(self.interval_s)
             else:
-                await asyncio.sleep(self.retry_s)
-                self.retry_s = min(self.interval_s, self.retry_s * 2)
+                await asyncio.sleep(link.retry_s)
+                link.retry_s = min(self.interval_s, link.retry_s * 2)
+
+    def _unreachable(self, link: Link, why: str) -> None:
+        if why != link.down:
+            log.warning("tracker %s: %s; retrying", link.url, why)
+        link.down = why
 
     async def retire(self, task: asyncio.Task[None]) -> None:
         """Stop heartbeating (`task` is `run()`), then leave: the tracker re-plans at once."""
@@ -145,21 +180,27 @@ class NodeAgent:
         await self.leave()
 
     async def leave(self) -> None:
-        try:
-            body = {"node_id": self.registration.node_id, "token": self.membership.token}
-            await self.client.post("/v1/nodes/leave", json=body, timeout=2.0)
-        except httpx.HTTPError as exc:
-            log.warning("could not tell the tracker we are leaving: %s", exc)
+        body = {"node_id": self.registration.node_id, "token": self.membership.token}
+        for link in self.links:
+            try:
+                await link.client.post("/v1/nodes/leave", json=body, timeout=2.0)
+            except httpx.HTTPError as exc:
+                log.warning("could not tell tracker %s we are leaving: %s", link.url, exc)
 
     async def _beat(self) -> None:
-        if not self.registered:
-            await self._register()
+        """One heartbeat (or registration) with every tracker."""
+        await asyncio.gather(*(self._beat_one(link) for link in self.links))
+
+    async def _beat_one(self, link: Link) -> None:
+        if not link.registered:
+            await self._register(link)
             return
         # at most MAX_REQUESTS (a bounded deque); lost if this beat fails: they are for display
-        finished = self.service.take_finished()
+        finished = self.service.take_finished() if link is self.links[0] else []
         beat = msg.HeartbeatRequest(
             node_id=self.registration.node_id,
             token=self.membership.token,
+            term=self.term,
             loaded=self.loaded(),
             loading=[msg.ShardRef(model=m, span=s) for m, s in self.loading],
             failed=self.failed,
@@ -173,23 +214,24 @@ class NodeAgent:
             weights=self.weights.digests() if self.weights is not None else None,
         )
         sent = time.perf_counter()
-        response = await self.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
+        response = await link.client.post("/v1/nodes/heartbeat", json=beat.model_dump(mode="json"))
         self.service.peers.record(
             TRACKER, time.perf_counter() - sent
         )  # ~1 ms of it is the tracker's
         self._ping_peers()
 
         if response.status_code in (403, 404) or _claims_refused(response):
-            log.info("the tracker does not know this node (restarted?); registering again")
-            self.registered = False
-            await self._register()
+            log.info("tracker %s does not know this node (restarted?); registering", link.url)
+            link.registered = False
+            await self._register(link)
             return
         _check(response, "heartbeat")
-        self.failed = []
         answer = msg.HeartbeatResponse.model_validate(response.json())
         if answer.heartbeat_interval_s:  # a big mesh stretches everyone's interval
             self.interval_s = answer.heartbeat_interval_s
-        self._apply(answer.directives)
+        if answer.term is not None:  # the planner has heard of our failures
+            self.failed = []
+        self._apply(answer.directives, answer.term)
 
     def _ping_peers(self) -> None:
         """Ping the peers that are due, in the background (a slow one must not hold the
@@ -206,24 +248,33 @@ class NodeAgent:
             if rtt_s is not None:
                 self.service.peers.record(node_id, rtt_s)
 
-    async def _register(self) -> None:
-        token = self.membership.token or None  # the one it had: it is this node again
+    async def _register(self, link: Link) -> None:
+        if not self.membership.token:  # ours, the same with every tracker
+            self.membership.renew(secrets.token_urlsafe(24))
         held = self.weights.digests() if self.weights is not None else []
-        update = {"loaded": self.loaded(), "token": token, "weights": held}
+        token, term = self.membership.token, self.term
+        update = {"loaded": self.loaded(), "token": token, "weights": held, "term": term}
         request = self.registration.model_copy(update=update)
-        response = await self.client.post(
+        response = await link.client.post(
             "/v1/nodes/register", json=request.model_dump(mode="json")
         )
         _check(response, "registration")
         answer = msg.RegisterResponse.model_validate(response.json())
-        self.membership.renew(answer.token)
+        if answer.token != self.membership.token:
+            self.membership.renew(answer.token)
         self.interval_s = answer.heartbeat_interval_s
-        self.registered = True
-        self.retry_s = 0.1
-        log.info("registered with the tracker as %s", answer.node_id)
-        self._apply(answer.directives)
+        link.registered, link.retry_s = True, 0.1
+        log.info("registered with tracker %s as %s", link.url, answer.node_id)
+        self._apply(answer.directives, answer.term)
 
-    def _apply(self, directives: list[msg.DirectiveMessage]) -> None:
+    def _apply(self, directives: list[msg.DirectiveMessage], term: int | None) -> None:
+        """Carry out a planner's directives; none from a tracker that does not plan (`term`
+        None) or from a planner older than one we have heard from (a partition healing)."""
+        if term is None or term < self.term:
+            if directives:
+                log.warning("ignored %d directives of planner term %s", len(directives), term)
+            return
+        self.term = term
         for d in directives:
             log.info("%s %s %s: %s", d.op, d.model, d.span, d.reason)
             key = (d.model, d.span)
@@ -280,7 +331,8 @@ class NodeAgent:
             reporter=self.registration.node_id,
             token=self.membership.token,
         )
-        try:
-            await self.client.post("/v1/nodes/report", json=body.model_dump(mode="json"))
-        except httpx.HTTPError as exc:
-            log.warning("could not report %s to the tracker: %s", node_id, exc)
+        for link in self.links:
+            try:
+                await link.client.post("/v1/nodes/report", json=body.model_dump(mode="json"))
+            except httpx.HTTPError as exc:
+                log.warning("could not report %s to tracker %s: %s", node_id, link.url, exc)

@@ -10,9 +10,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
-from meshnet.config import AccessConfig, NodeConfig
+from meshnet.config import NodeConfig
 from meshnet.models import ggml_graphs
 from meshnet.models.backend import Chosen, choose_backend
 from meshnet.models.device import budget_bytes, measure_throughput, resolve_device
@@ -22,9 +20,6 @@ from meshnet.models.source import resolve
 from meshnet.node.agent import node_id
 from meshnet.node.compute import compute_threads
 from meshnet.node.span_runner import SpanRunner
-from meshnet.security.signing import Signer
-from meshnet.security.swarm import TRACKER
-from meshnet.security.tls import client_context
 from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan, ModelId, Quant
 
@@ -144,10 +139,3 @@ def registration(config: NodeConfig, scheme: str = "http") -> msg.RegisterReques
         entry=config.entry,
         keeps_entry=config.entry and pinned is not None and pinned.start == 0,
     )
-
-
-def tracker_client(url: str, access: AccessConfig, timeout_s: float = 10.0) -> httpx.AsyncClient:
-    """An httpx client for the tracker that signs every call with the swarm key."""
-    auth = Signer(access.swarm_key).auth(TRACKER)  # and refuses an answer it did not sign
-    verify = client_context(access.tls)
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, auth=auth, verify=verify)

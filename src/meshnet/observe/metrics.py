@@ -121,6 +121,12 @@ class Metrics:
         self.directives = Counter(
             "meshnet_directives", "Rebalance directives issued by this tracker", ["op"], registry=r
         )
+        self.planning = Gauge(
+            "meshnet_planning", "1 while this tracker plans (holds the lease), else 0", registry=r
+        )
+        self.planner_terms = Counter(
+            "meshnet_planner_terms", "Leases this tracker won as a new planner", registry=r
+        )
         self.layers_covered = Gauge(
             "meshnet_layers_covered", "Layers served by a live node", ["model"], registry=r
         )

@@ -28,6 +28,7 @@ from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.forward import EntryForwarder, listed_models
 from meshnet.tracker.membership import NodeConflictError, new_token, token_digest
+from meshnet.tracker.peering import HELLO_PATH, LEASE_PATH, Peering
 from meshnet.tracker.probe import Prober
 from meshnet.tracker.registry import Registry
 from meshnet.types import NodeId, is_valid_id
@@ -42,6 +43,7 @@ def access_rules() -> list[Rule]:
     return [
         rule("/v1/nodes", "swarm", max_body_bytes=256 * KiB),
         rule("/v1/route", "swarm"),
+        rule("/v1/trackers", "swarm", max_body_bytes=16 * KiB),
         *weight_rules(),
         rule("/v1/entries", "swarm", "client"),
         rule("/v1/coverage", "swarm", "client"),
@@ -61,6 +63,7 @@ def create_app(
     forwarder: EntryForwarder | None = None,
     node_id: str | None = None,
     weights: WeightServer | None = None,
+    peering: Peering | None = None,
 ) -> FastAPI:
     """The tracker's ASGI app over `registry`; `prober` checks registering nodes.
 
@@ -69,14 +72,18 @@ def create_app(
     `node_id`: the id of the node this process also is (tracker-as-node): members' proofs
     may be addressed to it as well as to `tracker`.
     `weights`: serves the parts of the GGUF models it offers to members (ADR-0054).
+    `peering`: one of several trackers, it plans only while it holds their lease (ADR-0057).
     """
     rng = random.Random(config.route_seed)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(watch(registry, prober, config.heartbeat_interval_s / 10))
+        tasks = [asyncio.create_task(watch(registry, prober, config.heartbeat_interval_s / 10))]
+        if peering is not None:
+            tasks.append(asyncio.create_task(peering.run()))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
     app = FastAPI(title="meshnet tracker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -99,13 +106,14 @@ def create_app(
         await prober.probe(request.node_id, request.address)
         refuse_takeover(registry, request)
         peer = http.client.host if http.client else None
-        token = new_token()
+        token = request.token or new_token()  # a node's own: the same with every tracker
         directives = registry.register(request, peer, token)
         return msg.RegisterResponse(
             node_id=request.node_id,
             heartbeat_interval_s=registry.interval_s,
             directives=[registry.to_message(d) for d in directives],
             token=token,
+            term=registry.term(),
         )
 
     @app.post("/v1/nodes/heartbeat")
@@ -114,6 +122,7 @@ def create_app(
         return msg.HeartbeatResponse(
             directives=[registry.to_message(d) for d in directives],
             heartbeat_interval_s=registry.interval_s,
+            term=registry.term(),
         )
 
     @app.post("/v1/nodes/leave")
@@ -166,6 +175,9 @@ def create_app(
         """The live dashboard: coverage picture, nodes, requests and directives."""
         return FileResponse(DASHBOARD / "index.html")
 
+    if peering is not None:
+        add_peer_routes(app, peering)
+
     @app.get("/health")
     def health() -> dict[str, object]:
         return {
@@ -173,9 +185,24 @@ def create_app(
             "version": __version__,
             "nodes": len(registry.nodes),
             "models": sorted(registry.offers),
+            **(peering.status() if peering is not None else {}),
         }
 
     return app
+
+
+def add_peer_routes(app: FastAPI, peering: Peering) -> None:
+    """What a tracker's peers call: the hello at their start, and the lease (async: the
+    votes and the lease rounds take turns on the event loop)."""
+
+    @app.post(HELLO_PATH)
+    async def hello(body: msg.TrackerHello) -> msg.TrackerHello:
+        peering.check(body)
+        return peering.hello
+
+    @app.post(LEASE_PATH)
+    async def lease(body: msg.LeaseAsk) -> msg.LeaseAnswer:
+        return peering.answer(body)
 
 
 def client_rules() -> list[Rule]:

@@ -20,6 +20,8 @@ MAX_REQUESTS = 64  # finished generations one heartbeat may report
 MAX_PEERS = 64  # round trips one heartbeat may report
 NodeState = Literal["ready", "loading", "idle", "late", "suspect"]
 ModelName = Annotated[str, Field(pattern=ID_PATTERN)]
+# the highest planner term whose directives a node took (ADR-0057); -1: none yet
+SEEN_TERM = Field(default=-1, ge=-1, le=1 << 62)
 PeerName = Annotated[str, Field(pattern=ID_PATTERN)]  # a node id, or `tracker`
 RttMs = Annotated[float, Field(ge=0, le=60_000, allow_inf_nan=False)]
 
@@ -92,8 +94,10 @@ class RegisterRequest(Message):
     # are given spans from layer 0
     entry: bool = True
     keeps_entry: bool = False  # its entry span was given by hand (`--layers 0:K`): never dropped
-    # the membership token of its last registration: a live id registers again only with it
-    token: str | None = Field(default=None, max_length=64)
+    # its membership token: a live id registers again only with it; a new node's becomes its
+    # token (the same with each of a mesh's trackers); none: the tracker makes one
+    token: str | None = Field(default=None, min_length=32, max_length=64)
+    term: int = SEEN_TERM
     weights: list[Digest] = Field(default=[], max_length=64)  # models it holds parts of
 
     @field_validator("node_id")
@@ -133,6 +137,8 @@ class RegisterResponse(Message):
     heartbeat_interval_s: float
     directives: list[DirectiveMessage]
     token: str = ""  # its membership token: heartbeats, leave and reports must carry it
+    # the planner's term of these directives (ADR-0057); None: this tracker does not plan now
+    term: int | None = 0
 
 
 class RequestSummary(Message):
@@ -156,6 +162,7 @@ TOKEN = Field(default="", max_length=64)  # a membership token (from the registr
 class HeartbeatRequest(Message):
     node_id: str = Field(pattern=ID_PATTERN)
     token: str = TOKEN
+    term: int = SEEN_TERM
     loaded: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     loading: list[ShardRef] = Field(default=[], max_length=MAX_SHARDS)
     failed: list[ShardFailure] = Field(default=[], max_length=MAX_SHARDS)
@@ -173,6 +180,8 @@ class HeartbeatRequest(Message):
 class HeartbeatResponse(Message):
     directives: list[DirectiveMessage]
     heartbeat_interval_s: float | None = None  # the interval from now on (None: unchanged)
+    # the planner's term of these directives (ADR-0057); None: this tracker does not plan now
+    term: int | None = 0
 
 
 class LeaveRequest(Message):
@@ -273,3 +282,26 @@ class EntryInfo(Message):
 class EntriesResponse(Message):
     model: str
     entries: list[EntryInfo]  # least loaded first
+
+
+TrackerUrl = Annotated[str, Field(min_length=1, max_length=300)]
+
+
+class TrackerHello(Message):
+    """What a tracker tells its peers of itself: they must agree on all of it (ADR-0057)."""
+
+    url: TrackerUrl  # the sender, as it is listed in `trackers`
+    trackers: list[TrackerUrl] = Field(max_length=15)  # every tracker of the mesh (URLs)
+    models: list[str] = Field(max_length=100)  # the model ids it offers
+
+
+class LeaseAsk(TrackerHello):
+    """A candidate's ask for the planner's lease (or its renewal)."""
+
+    term: int = Field(ge=1, le=1 << 62)
+
+
+class LeaseAnswer(Message):
+    granted: bool
+    term: int  # the highest term the answering tracker granted
+    holder: str | None  # whom its vote is with (None: nobody)

@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from meshnet.observe.metrics import Metrics
 from meshnet.tracker import messages as msg
 from meshnet.tracker.beats import BEATS_PER_S, beat_interval_s, host_of, overdue
 from meshnet.tracker.holders import Candidate, holders
+from meshnet.tracker.lease import Lease
 from meshnet.tracker.membership import (
     Key,
     NotYourNodeError,
@@ -33,8 +33,9 @@ from meshnet.tracker.membership import (
     check_token,
     token_digest,
 )
-from meshnet.tracker.planner import Directive, Holding, ModelOffer, NodeView, plan
-from meshnet.tracker.reports import TRACKER_REPORTS, Reports
+from meshnet.tracker.planner import Directive, ModelOffer, plan
+from meshnet.tracker.record import NodeRecord
+from meshnet.tracker.reports import TRACKER_REPORTS
 from meshnet.types import ModelId, NodeId, SourceKind
 
 log = logging.getLogger(__name__)
@@ -42,52 +43,6 @@ LATE_AFTER_BEATS = 1.5  # a node this many intervals without a heartbeat shows a
 SUSPECT_S = 30.0  # a node an entry reported failing stays out of routes this long (default)
 PLANNING_SHARE = 0.1  # planning may take this share of the tracker's time, at most...
 QUICK_PLAN_S = 0.005  # ...once a plan takes longer than this; quicker plans run every time
-
-
-@dataclass
-class NodeRecord:
-    request: msg.RegisterRequest
-    last_seen_s: float
-    loaded: set[Key] = field(default_factory=set)
-    assigned: set[Key] = field(default_factory=set)  # told to load, not yet reported loaded
-    failed: set[Key] = field(default_factory=set)
-    pending: list[Directive] = field(default_factory=list)  # not yet delivered
-    sessions: int = 0
-    queue_depth: int = 0  # jobs waiting for its compute thread at its last heartbeat
-    step_s: float = 0.0  # its median decode round (seconds); 0 until it has run one
-    threads: int = 0  # compute threads it said it uses (0: not said)
-    rtt_ms: dict[str, float] = field(default_factory=dict)  # round trips it measured, by peer
-    # who reported it failing, until when: out of their routes (or all: `Reports`),
-    # heartbeats or not (a node that fails frames may well go on beating)
-    reports: Reports = field(default_factory=Reports)
-    token: bytes | None = None  # SHA-256 of its membership token; None: registered in-process
-    pinned: set[Key] = field(default_factory=set)  # the spans it registered with
-    checked_s: float = 0.0  # when the tracker last checked that it still listens
-    dropping: set[Key] = field(default_factory=set)  # told to drop, still reported
-    peer: str = ""  # the address it registered from (for the per-address cap)
-    refused: set[ModelId] = field(default_factory=set)  # its copy differs from the offered one
-    fetching: list[msg.FetchState] = field(default_factory=list)  # at its last heartbeat
-    weights: frozenset[str] = frozenset()  # digests of models it holds parts of
-
-    def view(self, by_digest: Mapping[str, ModelId] | None = None) -> NodeView:
-        holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(
-            Holding(m, s, False) for m, s in sorted(self.assigned - self.loaded)
-        )
-        r = self.request
-        return NodeView(
-            NodeId(r.node_id),
-            r.budget_bytes - r.kv_reserve_bytes,
-            r.quant,
-            r.throughput,
-            holdings,
-            frozenset(ModelId(m) for m in r.models) if r.models else None,
-            frozenset(self.failed),
-            entry=r.entry,
-            keeps_entry=r.keeps_entry,
-            sessions=self.sessions,
-            refused=frozenset(self.refused),
-            weights=frozenset(by_digest[d] for d in self.weights if by_digest and d in by_digest),
-        )
 
 
 class Registry:
@@ -129,6 +84,7 @@ class Registry:
         self._next_plan_s = float("-inf")  # clock time before which a due plan waits
         self.rejoin_s: float | None = rejoin_beats * self.base_interval_s  # None: under way
         self._turn = 0  # where the next scan for a span's weight holders starts
+        self.lease: Lease | None = None  # one of several trackers: plans only with the lease
 
     @property
     def interval_s(self) -> float:
@@ -163,6 +119,8 @@ class Registry:
             self.validate(request)
             if self.rejoin_s is not None:  # the first registration: the others are coming
                 self._next_plan_s, self.rejoin_s = self.clock() + self.rejoin_s, None
+            if self.lease is not None:
+                self.lease.heard(request.term)
             node_id, address = NodeId(request.node_id), peer or host_of(request.address)
             check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
             loaded = {self._key(ref) for ref in request.loaded}
@@ -196,9 +154,13 @@ class Registry:
                     f"node {beat.node_id} is not registered; register again", field="node_id"
                 )
             check_token(record.token, beat.token, beat.node_id)
+            if self.lease is not None:
+                self.lease.heard(beat.term)
             loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
             loading = {self._key(ref) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
+            if not self.plans_now():  # another tracker assigned them: a registration's trust
+                self._adopt(record, loaded | loading)
             # what enters routes: assigned, registered with, held before, or told to drop
             # and not dropped yet
             allowed = record.assigned | record.pinned | record.loaded | record.dropping
@@ -308,10 +270,35 @@ class Registry:
             return "loading"
         return "ready" if record.loaded else "idle"
 
+    def plans_now(self) -> bool:
+        """Whether this tracker plans: always when it is the mesh's only one; else while it
+        holds the lease of `tracker/lease.py` (the others answer with no directives)."""
+        return self.lease is None or self.lease.leads(self.clock())
+
+    def term(self) -> int | None:
+        """The term of the directives this tracker issues now; None while it does not plan."""
+        if self.lease is None:
+            return 0
+        return self.lease.planner_term if self.plans_now() else None
+
+    def follow(self) -> None:
+        """Another tracker plans now: what we planned and did not deliver is dropped."""
+        with self.lock:
+            for record in self.nodes.values():
+                record.pending.clear()
+            self.dirty = True  # plan afresh if the lease comes back
+
+    def _adopt(self, record: NodeRecord, held: set[Key]) -> None:
+        """A follower takes the spans a node reports (loaded or loading) as declared, within
+        its budget, as a registration would: the planner assigned them."""
+        per_layer = {m: o.layer_bytes.get(record.request.quant, 0) for m, o in self.offers.items()}
+        check_fits(record.request.node_id, held, per_layer, record.request.budget_bytes)
+        record.pinned |= held
+
     def plan_if_due(self) -> None:
         """Plan now if something changed and the last plan's cost allows (see the module)."""
         with self.lock:
-            if self.dirty and self.clock() >= self._next_plan_s:
+            if self.dirty and self.clock() >= self._next_plan_s and self.plans_now():
                 self.replan()
 
     def replan(self) -> None:
@@ -349,6 +336,8 @@ class Registry:
 
     def _deliver(self, node_id: NodeId) -> list[Directive]:
         record = self.nodes[node_id]
+        if not self.plans_now():
+            return []  # planned before our lease ran out: dropped by `follow`
         out, record.pending = record.pending, []
         return out
 
