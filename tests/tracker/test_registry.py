@@ -312,7 +312,7 @@ def test_a_follower_plans_nothing_takes_what_nodes_hold_and_moves_nothing_once_i
         assert follower.register(request(name)) == []
     for name in ("a", "b", "c"):
         beat = msg.HeartbeatRequest(node_id=name, loaded=loaded(planner, name))
-        planner.heartbeat(beat)
+        planner.heartbeat(beat)  # (the registry's `loaded` helper: what it was assigned)
         assert follower.heartbeat(beat) == [] and follower.term() is None
     assert follower.plans == 0
     assert {n: r.pinned for n, r in follower.nodes.items()} == {
@@ -323,10 +323,18 @@ def test_a_follower_plans_nothing_takes_what_nodes_hold_and_moves_nothing_once_i
     )
     with pytest.raises(Exception, match="budget"):  # 300 MB of layers on a 100 MB budget
         follower.heartbeat(greedy)
+    planner.register(request("d"))  # told to load a copy; a follower hears it is loading
+    loading = msg.HeartbeatRequest(node_id="d", loading=loaded(planner, "d"))
+    follower.register(request("d"))
+    follower.heartbeat(loading)
+    assert loaded(planner, "d") and follower.nodes[NodeId("d")].assigned == {
+        (ModelId(r.model), r.span) for r in loaded(planner, "d")
+    }
     voter = Lease("http://a", ["http://a", "http://b"], 3.0, 0.0)
     ask = follower.lease.ask(clock.now)
     own = follower.lease.vote(ask, clock.now)
     assert follower.lease.tally(ask, clock.now, own, [voter.vote(ask, clock.now)])
     assert follower.plans_now() and follower.term() == ask.term
     follower.plan_if_due()
-    assert follower.plans == 1 and not follower.recent  # coverage was whole: nothing moves
+    # coverage was whole and d's copy is under way: nothing moves, nothing is sent twice
+    assert follower.plans == 1 and not follower.recent

@@ -160,7 +160,7 @@ class Registry:
             loading = {self._key(ref) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
             if not self.plans_now():  # another tracker assigned them: a registration's trust
-                self._adopt(record, loaded | loading)
+                self._adopt(record, loaded, loading)
             # what enters routes: assigned, registered with, held before, or told to drop
             # and not dropped yet
             allowed = record.assigned | record.pinned | record.loaded | record.dropping
@@ -288,12 +288,15 @@ class Registry:
                 record.pending.clear()
             self.dirty = True  # plan afresh if the lease comes back
 
-    def _adopt(self, record: NodeRecord, held: set[Key]) -> None:
-        """A follower takes the spans a node reports (loaded or loading) as declared, within
-        its budget, as a registration would: the planner assigned them."""
+    def _adopt(self, record: NodeRecord, loaded: set[Key], loading: set[Key]) -> None:
+        """A follower takes the spans a node reports as declared, within its budget, as a
+        registration would (the planner assigned them); those it is loading count as
+        assigned, so that a new planner does not assign them again."""
         per_layer = {m: o.layer_bytes.get(record.request.quant, 0) for m, o in self.offers.items()}
+        held = loaded | loading
         check_fits(record.request.node_id, held, per_layer, record.request.budget_bytes)
         record.pinned |= held
+        record.assigned |= loading - loaded
 
     def plan_if_due(self) -> None:
         """Plan now if something changed and the last plan's cost allows (see the module)."""
