@@ -47,7 +47,8 @@ class Result:
     requests: int = 0
     failed: list[str] = field(default_factory=list)  # what each failed request answered
     takeovers_s: list[float] = field(default_factory=list)  # a planner's death -> a new one
-    wrong_s: float = 0.0  # the longest stretch a live tracker reported coverage wrong
+    wrong_s: float = 0.0  # the longest stretch a live tracker reported coverage wrong...
+    wrong: str = ""  # ...which, and how
     directives: dict[tuple[str, ...], set[str]] = field(default_factory=dict)  # -> trackers
 
     @property
@@ -167,7 +168,7 @@ def record(result: Result, url: str, coverage: dict[str, Any]) -> None:
 def watch(mesh: TrackerMesh, result: Result, done: threading.Event) -> None:
     """Every 0.2 s: each live tracker's coverage (how long it stays wrong: fewer nodes than
     another live tracker says, or no full chain) and the directives it issued."""
-    wrong_since: dict[str, float] = {}
+    wrong_since: dict[str, tuple[float, str]] = {}  # url -> since when, and how
     while not done.is_set():
         said: dict[str, dict[str, Any]] = {}
         for url in mesh.live():
@@ -179,9 +180,14 @@ def watch(mesh: TrackerMesh, result: Result, done: threading.Event) -> None:
         now = time.monotonic()
         for url, coverage in said.items():
             record(result, url, coverage)
-            ok = len(coverage["nodes"]) == most and all(m["routable"] for m in coverage["models"])
-            started = wrong_since.setdefault(url, now) if not ok else wrong_since.pop(url, now)
-            result.wrong_s = max(result.wrong_s, now - started)
+            nodes, routable = len(coverage["nodes"]), all(m["routable"] for m in coverage["models"])
+            if nodes == most and routable:
+                started, why = wrong_since.pop(url, (now, ""))
+            else:
+                how = f"{url}: {nodes} of {most} nodes, routable {routable}"
+                started, why = wrong_since.setdefault(url, (now, how))
+            if now - started > result.wrong_s:
+                result.wrong_s, result.wrong = now - started, why
         time.sleep(0.2)
 
 
@@ -271,6 +277,8 @@ def main() -> int:
         finally:
             mesh.stop()
     print(table(result, kills))
+    if result.wrong:
+        print(f"coverage wrong longest: {result.wrong}")
     for failure in result.failed[:5]:
         print(f"failed: {failure}")
     return 0
