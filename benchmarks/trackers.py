@@ -24,6 +24,7 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.procs import free_port, start, stop_together, wait_for  # noqa: E402
 
 INTERVAL_S = 1.0  # the trackers' --heartbeat-interval
+DOWN = "http://127.0.0.1:9"  # a tracker address nothing listens at (the spare is given it)
 NODES = 3
 
 
@@ -50,6 +52,8 @@ class Result:
     wrong_s: float = 0.0  # the longest stretch a live tracker reported coverage wrong...
     wrong: str = ""  # ...which, and how
     directives: dict[tuple[str, ...], set[str]] = field(default_factory=dict)  # -> trackers
+    cli: list[str] = field(default_factory=list)  # `generate` with the dead tracker first
+    named_down: bool = False  # a node given a tracker that is down named it at start
 
     @property
     def twice(self) -> int:
@@ -95,7 +99,7 @@ class TrackerMesh:
         self.node("tail", "--layers", "15:30")
 
     def node(self, name: str, *flags: str) -> None:
-        self.launch(name, ["node", "--port", str(free_port()), "--no-entry", *flags, *self.common]
+        self.launch(name, ["node", "--port", str(free_port()), "--no-entry", *self.common, *flags]
                     + ["--data-dir", str(self.folder / name)])  # fmt: skip
 
     def coverage(self, url: str) -> dict[str, Any]:
@@ -210,9 +214,22 @@ def kill_tracker(mesh: TrackerMesh, victim_url: str, planner: bool, result: Resu
     if planner:
         wait_for(lambda: mesh.one_planner(rest, gone=victim_url) is not None, 30, "a new planner")
         result.takeovers_s.append(time.monotonic() - killed_s)
+    if planner:  # a client given the dead tracker first goes to the next one
+        result.cli.append(generate(mesh, [victim_url, *rest]))
     time.sleep(2 * INTERVAL_S)  # answers flow with one tracker down
     mesh.launch(name, mesh.args[name])  # same port, same data folder
     wait_for(lambda: mesh.whole(victim_url), 60, f"{name} to know the mesh again")
+
+
+def generate(mesh: TrackerMesh, trackers: list[str]) -> str:
+    """`meshnet generate --tracker A,B,C`: its answer, or its error."""
+    args = ["generate", "--tracker", ",".join(trackers), "--temperature", "0"]
+    args += ["--max-tokens", "8", "What is the capital of France?"]
+    done = subprocess.run(
+        [sys.executable, "-m", "meshnet.cli", *args],
+        capture_output=True, text=True, timeout=120, env=mesh.env, check=False,
+    )  # fmt: skip
+    return done.stdout.strip() if done.returncode == 0 else f"error: {done.stderr[-300:]}"
 
 
 def chaos(mesh: TrackerMesh, kills: int, seed: int, planner_only: bool) -> Result:
@@ -227,7 +244,7 @@ def chaos(mesh: TrackerMesh, kills: int, seed: int, planner_only: bool) -> Resul
     # first: a node joins, the planner tells it to load a copy, and dies while it loads
     planner = mesh.one_planner(mesh.live())
     assert planner is not None, "no one planner"
-    mesh.node("spare", "--budget", "150MB")
+    mesh.node("spare", "--budget", "150MB", "--tracker", ",".join([*mesh.urls.values(), DOWN]))
     wait_for(lambda: mesh.told_to_load(planner, "spare"), 60, "the spare's directive")
     record(result, planner, mesh.coverage(planner))
     kill_tracker(mesh, planner, True, result)
@@ -237,6 +254,8 @@ def chaos(mesh: TrackerMesh, kills: int, seed: int, planner_only: bool) -> Resul
     done.set()
     for thread in threads:
         thread.join(90)
+    said = (mesh.folder / "spare.log").read_text()
+    result.named_down = f"tracker {DOWN} cannot be reached" in said
     return result
 
 
@@ -277,6 +296,9 @@ def main() -> int:
         finally:
             mesh.stop()
     print(table(result, kills))
+    for answer in result.cli:
+        print(f"generate --tracker DEAD,LIVE,LIVE: {answer}")
+    print(f"a node given a tracker that is down named it: {'yes' if result.named_down else 'no'}")
     if result.wrong:
         print(f"coverage wrong longest: {result.wrong}")
     for failure in result.failed[:5]:

@@ -238,7 +238,8 @@ def test_tracker_chaos_benchmark_loses_no_request_when_the_planner_dies() -> Non
     """Issue 50 with real processes: three trackers, three nodes joined to all of them,
     answers flowing; the planning tracker SIGKILLed. No request fails, the other two name one
     new planner within 3 heartbeat intervals (+1 s: polling on a loaded 2-core run), coverage
-    is never wrong longer than that, and no directive comes from two trackers."""
+    is never wrong longer than that, no directive comes from two trackers, and a client
+    given the dead tracker first answers through the next."""
     out = run_tiny("trackers.py", 300)
     row = next(line for line in out.splitlines() if line.startswith("| 1 |")).split("|")
     requests, failed, deaths = int(row[2]), int(row[3]), int(row[4])
@@ -246,3 +247,6 @@ def test_tracker_chaos_benchmark_loses_no_request_when_the_planner_dies() -> Non
     assert requests > 0 and failed == 0, out
     assert deaths == 1 and takeover_s <= 3 * 1.0 + 1.0, out
     assert float(row[6]) <= 3 * 1.0 + 1.0 and int(row[8]) == 0, out
+    # `generate --tracker DEAD,LIVE,LIVE` answered; the node given a down tracker named it
+    assert "generate --tracker DEAD,LIVE,LIVE: The capital of France is Paris" in out, out
+    assert "a node given a tracker that is down named it: yes" in out, out

@@ -119,3 +119,26 @@ def test_the_auto_encoding_threshold_reaches_the_wire_config() -> None:
     assert config.auto_compress_below_mbit_s == 100.0
     service = node_service(config, "n", AccessConfig())
     assert service.wire.auto_compress_below_mbit_s == 100.0
+
+
+def test_several_trackers_map_onto_the_configs_and_bad_lists_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from meshnet.cli.configs import tracker_config
+
+    urls = "http://a:8000,https://b:8000/"
+    assert node_config(build_parser().parse_args(["node", "--tracker", urls])).trackers == (
+        "http://a:8000",
+        "https://b:8000",
+    )
+    tracker = tracker_config(
+        build_parser().parse_args(["tracker", "--peers", urls, "--public-address", "http://c:1"])
+    )
+    assert tracker.peers == ("http://a:8000", "https://b:8000")
+    assert tracker.public_url == "http://c:1"
+    client = build_parser().parse_args(["status", "--tracker", urls])
+    assert client.tracker == ("http://a:8000", "https://b:8000")
+    for bad in ("a:8000", "http://a:1,,ftp://b", ","):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["node", "--tracker", bad])
+        assert "expected URL or URL1,URL2" in capsys.readouterr().err

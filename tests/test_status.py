@@ -58,3 +58,22 @@ def test_an_unreachable_tracker_is_one_clear_line_and_exit_status_1() -> None:
     console = Console(record=True, width=200)
     assert run_status("http://127.0.0.1:9", None, None, console) == 1
     assert "meshnet status: http://127.0.0.1:9:" in console.export_text()
+
+
+def test_clients_given_several_trackers_use_the_first_that_answers(capsys: object) -> None:
+    """`--tracker A,B`: A is down, so `status`, `generate` and `chat` go to B; A is named."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+
+    from meshnet.terminal import answering
+    from tests.security.test_server import serving
+
+    app = Starlette()
+    app.add_route("/health", lambda _: JSONResponse({"status": "ok", "models": ["default"]}))
+    with serving(app) as port:
+        up = f"http://127.0.0.1:{port}"
+        assert answering(["http://127.0.0.1:9", up]) == up
+        assert answering([up, "http://127.0.0.1:9"]) == up
+    said = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "tracker http://127.0.0.1:9 does not answer" in said
+    assert answering(["http://127.0.0.1:9"]) == "http://127.0.0.1:9"  # its error is shown

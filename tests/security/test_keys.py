@@ -89,3 +89,6 @@ def test_the_tracker_prints_the_key_only_when_it_created_it(
     announce_tracker(args, "k" * 64, "read from /x/swarm.key")
     out = capsys.readouterr().out
     assert "k" * 64 not in out and "<the key read from /x/swarm.key>" in out
+    args.peers, args.public_address = ("http://b:8000",), "http://a:8000"  # several trackers
+    announce_tracker(args, "k" * 64, "read from /x/swarm.key")
+    assert "meshnet node --tracker http://a:8000,http://b:8000" in capsys.readouterr().out

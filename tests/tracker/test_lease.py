@@ -182,3 +182,18 @@ def test_nodes_told_of_a_higher_term_lift_the_next_one() -> None:
     assert ask.term == 8
     assert lease.tally(ask, 0.0, lease.vote(ask, 0.0), [])
     assert lease.planner_term == 8 and lease.ask(0.1).term == 8  # renewals keep it
+
+
+def test_a_tracker_started_after_the_election_follows_the_planner_without_raising_terms() -> None:
+    """The lowest URL starts late: it asks, is refused, then votes for the planner's next
+    renewal and names it; the planner keeps its term (a loser's own votes raise nothing)."""
+    mesh = Mesh(3, random.Random(3), delay_s=0.05)
+    late = mesh.urls[0]
+    mesh.dead.add(late)
+    mesh.run_until(5.0)
+    (planner,) = mesh.planners()
+    term = mesh.leases[planner].planner_term
+    mesh.dead.discard(late)
+    mesh.run_until(10.0)
+    assert mesh.planners() == [planner] and mesh.leases[planner].planner_term == term
+    assert {mesh.leases[u].planner(mesh.now) for u in mesh.urls if u != planner} == {planner}

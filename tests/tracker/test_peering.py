@@ -158,3 +158,11 @@ def test_calls_go_to_the_next_tracker_when_one_refuses_connections_and_stay_ther
         assert seen == ["a", "b", "b", "b"]
 
     asyncio.run(scenario())
+
+
+def test_a_tracker_as_node_refuses_peers() -> None:
+    from meshnet.assemble.tracker import build_tracker_node_app
+    from meshnet.config import NodeConfig
+
+    with pytest.raises(ConfigError, match="--peers needs trackers without a span"):
+        build_tracker_node_app(TrackerConfig(peers=("http://b:1",)), NodeConfig())

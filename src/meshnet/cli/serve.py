@@ -298,7 +298,11 @@ def announce_tracker(args: argparse.Namespace, key: str, origin: str) -> None:
     (review finding 12: logs and journals keep what a process prints); otherwise the join
     command names where the key is (the key travels in the environment, never argv)."""
     host = args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname()
-    url = f"{'https' if args.tls_cert else 'http'}://{host}:{args.port}"
+    url = (
+        getattr(args, "public_address", None)
+        or f"{'https' if args.tls_cert else 'http'}://{host}:{args.port}"
+    )
+    url = ",".join(sorted({url, *getattr(args, "peers", ())}))  # nodes join every tracker
     created = origin.startswith("created")
     command = join_command(url, key if created else f"<the key {origin}>")
     print(f"meshnet tracker: swarm key {origin}", flush=True)

@@ -65,19 +65,25 @@ class Lease:
         return now < self.leads_until_s
 
     def planner(self, now: float) -> str | None:
-        """The tracker our vote is with and still live: the planner as far as we know."""
-        return self.holder if now < self.vote_until_s else None
+        """The planner as far as we know: the one our vote is with (ourselves only while we
+        plan), while that vote is live."""
+        if now >= self.vote_until_s or (self.holder == self.me and not self.leads(now)):
+            return None
+        return self.holder
 
     def vote(self, ask: Ask, now: float) -> Grant:
-        """Grant `ask` unless our vote is with another live candidate, or `ask` is stale."""
+        """Grant `ask` unless our vote is with another live candidate, or `ask`'s term is
+        below one we granted (the denial tells the candidate the term to pass). Our own
+        vote for ourselves raises our term only if we win (`tally`): a tracker that keeps
+        losing must not outbid the planner's renewals."""
         free = now >= self.vote_until_s or self.holder in (None, ask.candidate)
-        renewal = self.holder == ask.candidate and ask.term == self.term
-        if not free or (ask.term <= self.term and not renewal):
+        if not free or ask.term < self.term:
             return Grant(False, self.term, self.planner(now))
-        self.term, self.holder, self.vote_until_s = ask.term, ask.candidate, now + self.lease_s
+        self.holder, self.vote_until_s = ask.candidate, now + self.lease_s
         if ask.candidate != self.me:
+            self.term = ask.term
             self.leads_until_s = NEVER  # not reachable while our lease is live: vote is ours
-        return Grant(True, self.term, ask.candidate)
+        return Grant(True, ask.term, ask.candidate)
 
     def due(self, now: float) -> bool:
         """Whether to ask now: to renew our lease, or because no vote of ours is with a live
@@ -98,14 +104,18 @@ class Lease:
     def tally(self, ask: Ask, sent_s: float, own: Grant, grants: Sequence[Grant]) -> bool:
         """Count the answers to `ask` (sent at `sent_s`; `own`: our own vote on it); true
         when we plan now. A failed first ask gives our own vote back, so that another
-        candidate can win (we ask again after our rank's turn); a failed renewal keeps it
-        until the lease we hold has run out."""
+        candidate can win (we ask again after our rank's turn, or, when an answer named a
+        live planner, once its lease would have run out); a failed renewal keeps it until
+        the lease we hold has run out."""
         self.term = max(self.term, *(g.term for g in grants)) if grants else self.term
         votes = own.granted + sum(g.granted for g in grants)
         if own.granted and votes >= self.majority:
             self.leads_until_s = sent_s + SAFETY * self.lease_s
-            self.planner_term = ask.term
+            self.planner_term = self.term = max(self.term, ask.term)
             return True
         if own.granted and not self.leads(sent_s):
             self.holder, self.vote_until_s = None, sent_s
+            named = [g.holder for g in grants if g.holder not in (None, self.me)]
+            if named:  # a live planner we had not heard of: follow it, do not ask again
+                self.holder, self.vote_until_s = named[0], sent_s + self.lease_s
         return False
