@@ -197,3 +197,24 @@ def test_a_tracker_started_after_the_election_follows_the_planner_without_raisin
     mesh.run_until(10.0)
     assert mesh.planners() == [planner] and mesh.leases[planner].planner_term == term
     assert {mesh.leases[u].planner(mesh.now) for u in mesh.urls if u != planner} == {planner}
+
+
+def test_a_planner_cut_off_stops_before_the_others_elect_one_within_3_intervals() -> None:
+    """A partition: the planner loses both links. It stops planning (its lease runs out
+    unrenewed) before the majority side's new planner starts, and that one starts within
+    3 heartbeat intervals of the cut; after the heal there is still one planner."""
+    mesh = Mesh(3, random.Random(4), delay_s=0.05)
+    mesh.run_until(10.0)
+    (old,) = mesh.planners()
+    mesh.cut |= {frozenset({old, other}) for other in mesh.urls if other != old}
+    cut_s, stopped_s, new_s = mesh.now, None, None
+    while new_s is None:
+        mesh.run_until(mesh.now + 0.01)
+        if stopped_s is None and not mesh.leases[old].leads(mesh.now):
+            stopped_s = mesh.now
+        if any(u != old for u in mesh.planners()):
+            new_s = mesh.now
+    assert stopped_s is not None and stopped_s < new_s <= cut_s + 3 * INTERVAL_S
+    mesh.cut.clear()
+    mesh.run_until(mesh.now + 10.0)
+    assert len(mesh.planners()) == 1 and mesh.most_planners == 1
