@@ -109,6 +109,8 @@ def node_table(coverage: dict[str, Any]) -> Table:
 def render(coverage: dict[str, Any], url: str) -> Group:
     head = Text(f"meshnet tracker {url}: {len(coverage['nodes'])} nodes, heartbeat every ")
     head.append(f"{coverage['heartbeat_interval_s']:g} s")
+    if coverage.get("planner"):  # one of several trackers (ADR-0057)
+        head.append(f"; planner {coverage['planner']}")
     legend = Text("layers: digit = live copies, ~ = loading, . = gap", style="dim")
     return Group(head, model_lines(coverage), legend, node_table(coverage))
 

@@ -49,6 +49,16 @@ def configs(tmp_path: Path, n: int, **kw: object) -> list[TrackerConfig]:
     ]
 
 
+def render_text(coverage: dict[str, object], url: str) -> str:
+    from rich.console import Console
+
+    from meshnet.status import render
+
+    console = Console(width=200, record=True)
+    console.print(render(coverage, url))
+    return console.export_text()
+
+
 def planners(urls: list[str]) -> set[object]:
     said = set()
     for url in urls:
@@ -81,6 +91,17 @@ def test_three_trackers_agree_on_one_planner_and_elect_another_when_it_stops(
             running[url].enter_context(tracker(config))
         first, _ = wait_for_one(urls, 10 * INTERVAL_S)
         assert first == min(urls)  # the first in URL order asks first
+        follower = max(urls)  # `meshnet status` on any tracker names the planner
+        coverage = httpx.get(follower + "/v1/coverage").json()
+        assert coverage["planner"] == first
+        assert f"planner {first}" in render_text(coverage, follower)
+        # bad asks change nothing: a clear 4xx, and the planner stays
+        garbage = httpx.post(follower + "/v1/trackers/lease", json={"url": 5, "term": -1})
+        assert garbage.status_code == 400 and "term" in garbage.text
+        stranger = {"url": "http://x:1", "trackers": ["http://x:1"], "models": [], "term": 99}
+        refused = httpx.post(follower + "/v1/trackers/lease", json=stranger)
+        assert refused.status_code == 409 and "http://x:1" in refused.json()["error"]["message"]
+        assert planners(urls) == {first}
         running[first].close()  # stops its server
         rest = [u for u in urls if u != first]
         second, took_s = wait_for_one(rest, 6 * INTERVAL_S, gone=first)

@@ -255,6 +255,7 @@ class CoverageResponse(Message):
     recent_directives: list[IssuedDirective]
     recent_requests: list[RecentRequest] = []
     heartbeat_interval_s: float = 2.0
+    planner: str | None = None  # of several trackers, the one that plans (ADR-0057)
 
 
 class RouteHop(Message):

@@ -146,7 +146,16 @@ def _coverage(registry: Registry) -> msg.CoverageResponse:
         recent_directives=issued(registry),
         recent_requests=requests,
         heartbeat_interval_s=registry.interval_s,
+        planner=planner(registry, now),
     )
+
+
+def planner(registry: Registry, now: float) -> str | None:
+    """Which of several trackers plans, as this one knows it (None: the only tracker)."""
+    lease = registry.lease
+    if lease is None:
+        return None
+    return lease.me if lease.leads(now) else lease.planner(now) or "none (electing)"
 
 
 def _model_coverage(
