@@ -14,7 +14,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,11 +181,18 @@ class NodeAgent:
 
     async def leave(self) -> None:
         body = {"node_id": self.registration.node_id, "token": self.membership.token}
-        for link in self.links:
+        await self._tell_all("/v1/nodes/leave", body, "that we are leaving")
+
+    async def _tell_all(self, path: str, body: Mapping[str, object], what: str) -> None:
+        """POST `body` to every tracker at once (a down one costs its timeout, not theirs)."""
+
+        async def tell(link: Link) -> None:
             try:
-                await link.client.post("/v1/nodes/leave", json=body, timeout=2.0)
+                await link.client.post(path, json=body, timeout=2.0)
             except httpx.HTTPError as exc:
-                log.warning("could not tell tracker %s we are leaving: %s", link.url, exc)
+                log.warning("could not tell tracker %s %s: %s", link.url, what, exc)
+
+        await asyncio.gather(*(tell(link) for link in self.links))
 
     async def _beat(self) -> None:
         """One heartbeat (or registration) with every tracker."""
@@ -331,8 +338,4 @@ class NodeAgent:
             reporter=self.registration.node_id,
             token=self.membership.token,
         )
-        for link in self.links:
-            try:
-                await link.client.post("/v1/nodes/report", json=body.model_dump(mode="json"))
-            except httpx.HTTPError as exc:
-                log.warning("could not report %s to tracker %s: %s", node_id, link.url, exc)
+        await self._tell_all("/v1/nodes/report", body.model_dump(mode="json"), f"of {node_id}")

@@ -92,14 +92,13 @@ class Peering:
 
     def answer(self, ask: msg.LeaseAsk) -> msg.LeaseAnswer:
         """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh."""
-        why = disagreement(self.hello, ask)
-        if why is not None:
-            raise PeerMismatchError(why, field="trackers")
+        self.check(ask)
         grant = self.lease.vote(Ask(ask.url, ask.term), self.clock())
         self.sync()
         return msg.LeaseAnswer(granted=grant.granted, term=grant.term, holder=grant.holder)
 
     def check(self, hello: msg.TrackerHello) -> None:
+        """Refuse (409, naming both) a tracker that lists other trackers or models."""
         why = disagreement(self.hello, hello)
         if why is not None:
             raise PeerMismatchError(why, field="trackers")
