@@ -54,6 +54,7 @@ class Result:
     directives: dict[tuple[str, ...], set[str]] = field(default_factory=dict)  # -> trackers
     cli: list[str] = field(default_factory=list)  # `generate` with the dead tracker first
     named_down: bool = False  # a node given a tracker that is down named it at start
+    evidence: str = ""  # the processes' logs, when coverage stayed wrong too long
 
     @property
     def twice(self) -> int:
@@ -289,6 +290,9 @@ def main() -> int:
             wait_for(lambda: all(mesh.whole(u, 2) for u in urls), 240, "a whole mesh")
             wait_for(lambda: mesh.one_planner(urls) is not None, 30, "one planner")
             result = chaos(mesh, kills, args.seed, planner_only=args.tiny)
+            if result.wrong_s > 3 * INTERVAL_S:  # the evidence for a miss that comes rarely
+                logs = sorted(Path(folder).glob("*.log"))
+                result.evidence = "".join(f"--- {f.name}\n{f.read_text()[-2500:]}\n" for f in logs)
         except BaseException:
             for log in sorted(Path(folder).glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
@@ -301,6 +305,7 @@ def main() -> int:
     print(f"a node given a tracker that is down named it: {'yes' if result.named_down else 'no'}")
     if result.wrong:
         print(f"coverage wrong longest: {result.wrong}")
+    print(result.evidence, end="")
     for failure in result.failed[:5]:
         print(f"failed: {failure}")
     return 0

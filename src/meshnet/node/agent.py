@@ -163,6 +163,8 @@ class NodeAgent:
                 self._unreachable(link, f"unreachable ({type(exc).__name__}: {exc})")
             except RefusedError as exc:
                 self._unreachable(link, str(exc))
+            except Exception:  # a link's loop is a boundary: it must not end, nor end others
+                log.exception("tracker %s: heartbeat failed; retrying", link.url)
             if link.registered:
                 await asyncio.sleep(self.interval_s)
             else:
