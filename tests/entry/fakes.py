@@ -81,9 +81,10 @@ class ContextRunner(EchoRunner):
         out[0, :, 2:] += HOP_OFFSET * self.span.end  # an answer is never its input
         return out
 
-    def drop(self, session: SessionId) -> bool:
-        self.context.pop(session, None)
-        return super().drop(session)
+    def drop(self, session: SessionId, keep: bool = False) -> bool:
+        if not keep:
+            self.context.pop(session, None)
+        return super().drop(session, keep)
 
 
 class ContextHead(CountingHead):

@@ -13,6 +13,7 @@ from meshnet.entry.transport import hop_error
 from meshnet.errors import HopError, MissingLayersError, RouteError
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
+from meshnet.node.sessions import PrefixStats
 from meshnet.text.events import Delta, Event, Finished
 from meshnet.text.params import GenerationParams, SamplingParams
 from meshnet.tracker import messages as msg
@@ -193,11 +194,14 @@ class Poisoned:
     def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
         return one_by_one(self.forward, frames)
 
-    def drop(self, session: str) -> bool:
-        return bool(self.runner.drop(session))  # type: ignore[attr-defined]
+    def drop(self, session: str, keep: bool = False) -> bool:
+        return bool(self.runner.drop(session, keep))  # type: ignore[attr-defined]
 
     def session_count(self) -> int:
         return int(self.runner.session_count())  # type: ignore[attr-defined]
+
+    def prefix_stats(self) -> PrefixStats:
+        return self.runner.prefix_stats()  # type: ignore[attr-defined, no-any-return]
 
 
 @pytest.mark.parametrize(("position", "value"), [(55, float("nan")), (16, float("inf"))])

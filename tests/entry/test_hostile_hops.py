@@ -23,6 +23,7 @@ from meshnet.errors import HopError
 from meshnet.node.app import create_app as create_node_app
 from meshnet.node.runner import EchoRunner, Frame, one_by_one
 from meshnet.node.scheduler import Failed
+from meshnet.node.sessions import PrefixStats
 from meshnet.security.signing import Signer
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta, encode
@@ -51,11 +52,14 @@ class Lying:
     def forward_many(self, frames: list[Frame]) -> list[torch.Tensor | Failed]:
         return one_by_one(self.forward, frames)
 
-    def drop(self, session: str) -> bool:
-        return self.runner.drop(SessionId(session))
+    def drop(self, session: str, keep: bool = False) -> bool:
+        return self.runner.drop(SessionId(session), keep)
 
     def session_count(self) -> int:
         return self.runner.session_count()
+
+    def prefix_stats(self) -> PrefixStats:
+        return self.runner.prefix_stats()
 
 
 @pytest.mark.parametrize(

@@ -133,9 +133,10 @@ class Hops:
         """Tell the tracker `node` failed (never raises)."""
         await self.routes.report(node, reason)
 
-    async def close(self, hop: Hop, session: SessionId) -> None:
-        """Drop `session`'s cache on `hop` (errors are logged, not raised)."""
-        await self.transport.close_session(hop, session)
+    async def close(self, hop: Hop, session: SessionId, keep: bool = False) -> None:
+        """Drop `session`'s cache on `hop`, or with `keep` keep it as a prefix (errors are
+        logged, not raised)."""
+        await self.transport.close_session(hop, session, keep)
 
     async def send(
         self, session: PipelineSession, k: int, chunk: TensorChunk, hidden: torch.Tensor

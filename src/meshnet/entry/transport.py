@@ -48,8 +48,9 @@ class Transport(Protocol):
         itself (ADR-0034); the last hop's output. A `HopError` names the hop that failed."""
         ...
 
-    async def close_session(self, hop: Hop, session: SessionId) -> None:
-        """Drop `session`'s cache on `hop`; never raises."""
+    async def close_session(self, hop: Hop, session: SessionId, keep: bool = False) -> None:
+        """End `session` on `hop`: drop its cache, or with `keep` keep it as a prefix to fork
+        from (ADR-0058); never raises."""
         ...
 
 
@@ -189,9 +190,9 @@ class HttpTransport:
             raise HopError(f"hop {hop}: {ANSWER_HEADER} is missing or wrong", status=None, hop=hop)
         return answer.status, answer.headers, answer.body, answer.signed
 
-    async def close_session(self, hop: Hop, session: SessionId) -> None:
-        path = f"/sessions/{session}"
-        headers = {PROOF: self.keys.close_proof(session, hop.node_id)}
+    async def close_session(self, hop: Hop, session: SessionId, keep: bool = False) -> None:
+        path = f"/sessions/{session}" + ("?keep=1" if keep else "")
+        headers = {PROOF: self.keys.close_proof(session, hop.node_id, keep)}
         headers |= self.signer.headers("DELETE", path, to=hop.node_id, headers=headers)
         try:
             async with self._session().delete(
@@ -305,7 +306,7 @@ class InProcessTransport:
             hidden = await self.forward(hop, replace(meta, span=hop.span), hidden)
         return hidden
 
-    async def close_session(self, hop: Hop, session: SessionId) -> None:
+    async def close_session(self, hop: Hop, session: SessionId, keep: bool = False) -> None:
         self.closed.append((hop.address, session))
         if hop.address not in self.dead:
-            self.runners[hop.address].drop(session)
+            self.runners[hop.address].drop(session, keep)

@@ -139,6 +139,11 @@ class NodeService:
     def _sample(self) -> None:
         self.metrics.sessions_active.set(self.shards.session_count())
         self.metrics.kv_cache_bytes.set(self.shards.cache_bytes())
+        prefixes = self.shards.prefix_stats()
+        self.metrics.prefix_hits.set(prefixes.hits)
+        self.metrics.prefix_tokens_reused.set(prefixes.tokens_reused)
+        self.metrics.prefix_cache_sessions.set(prefixes.kept)
+        self.metrics.prefix_cache_bytes.set(prefixes.kept_bytes)
         self.metrics.compute_threads.set(self.scheduler.threads.threads)
         self.metrics.other_cores_busy.set(round(self.scheduler.threads.others_cores, 3))
         for peer, mbit_s in self.links.report_mbit_s().items():
@@ -255,15 +260,18 @@ class NodeService:
         session = SessionId(request.path_params["session"])
         if not is_valid_id(session):
             raise RequestError(f"invalid session id {session[:128]!r}", field="session")
-        check_close(request.headers.get(PROOF), session, self.node_id)
+        keep = request.query_params.get("keep", "0")
+        if keep not in ("0", "1"):
+            raise RequestError(f"keep must be 0 or 1, not {keep[:16]!r}", field="keep")
+        check_close(request.headers.get(PROOF), session, self.node_id, keep == "1")
         self.forget(session)
         self.forwarder.forget(session)
-        dropped = [await self.call(r.drop, session) for r in self.shards.runners()]
-        if not any(dropped):
+        ended = [await self.call(r.drop, session, keep == "1") for r in self.shards.runners()]
+        if not any(ended):
             raise SessionNotFoundError(
                 f"no session {session[:128]!r} on this node", field="session"
             )
-        return JSONResponse({"dropped": session})
+        return JSONResponse({"kept" if keep == "1" else "dropped": session})
 
     async def health(self, _: Request) -> Response:
         shards = [{"model": m, "span": str(s)} for m, s in self.shards]

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from meshnet.errors import SessionError, SessionNotFoundError
 from meshnet.node.scheduler import Failed
-from meshnet.node.sessions import rewinds
+from meshnet.node.sessions import PrefixStats, rewinds
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
 from meshnet.wire import headers as h
@@ -34,11 +34,18 @@ class ShardRunner(Protocol):
         and changes nothing."""
         ...
 
-    def drop(self, session: SessionId) -> bool:
-        """Forget a session's cache; True when it existed."""
+    def drop(self, session: SessionId, keep: bool = False) -> bool:
+        """End a session: forget its cache, or with `keep` keep it as a prefix new sessions
+        may fork from (ADR-0058); True when it existed."""
         ...
 
-    def session_count(self) -> int: ...
+    def session_count(self) -> int:
+        """Live sessions (kept prefixes are not)."""
+        ...
+
+    def prefix_stats(self) -> PrefixStats:
+        """Forks from kept prefixes so far, and what the kept ones hold now."""
+        ...
 
     def cache_bytes(self) -> int:
         """Bytes held by all its sessions' KV caches."""
@@ -57,6 +64,8 @@ class EchoRunner:
         self.span = span
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[SessionId, tuple[int, ChunkState | None]] = OrderedDict()
+        self.kept: set[SessionId] = set()  # ended with keep: prefixes to fork from
+        self.stats = PrefixStats()
 
     def forward(self, meta: FrameMeta, hidden: Hidden) -> Hidden:
         length, chunks = self._sessions.get(meta.session) or self._start(meta)
@@ -84,16 +93,27 @@ class EchoRunner:
             raise SessionNotFoundError(
                 f"cannot fork session {meta.fork} at {meta.position}", field=h.FORK
             )
+        if meta.fork in self.kept:
+            self.stats.hits += 1
+            self.stats.tokens_reused += meta.position
         return meta.position, None
 
     def forward_many(self, frames: list[Frame]) -> list[Hidden | Failed]:
         return one_by_one(self.forward, frames)
 
-    def drop(self, session: SessionId) -> bool:
+    def drop(self, session: SessionId, keep: bool = False) -> bool:
+        if keep and session in self._sessions:
+            self.kept.add(session)
+            return True
+        self.kept.discard(session)
         return self._sessions.pop(session, None) is not None
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._sessions) - len(self.kept & self._sessions.keys())
+
+    def prefix_stats(self) -> PrefixStats:
+        kept = len(self.kept & self._sessions.keys())
+        return PrefixStats(self.stats.hits, self.stats.tokens_reused, kept, 0)
 
     def cache_bytes(self) -> int:
         return 0  # it keeps no activations

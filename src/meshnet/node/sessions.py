@@ -2,8 +2,12 @@
 
 Decisions are pure functions (`expired`, `over_budget`, `make_room`) with the clock passed in;
 the `SessionStore` applies them. Before a call grows a cache, the store checks the cap: it
-evicts sessions idle for `evict_idle_s` (least recently used first) when that makes room, and
-otherwise refuses the call (429) without touching any session.
+evicts kept prefixes first, then sessions idle for `evict_idle_s` (least recently used first)
+when that makes room, and otherwise refuses the call (429) without touching any session.
+
+A session its entry ended with `keep` stays as a **kept prefix** (ADR-0058): no longer live
+(it counts against no session limit), only there for new sessions to fork from, and the
+first to go when room is needed or more than `max_kept` are kept.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from meshnet.errors import LimitError, SessionError, SessionNotFoundError
+from meshnet.errors import LimitError, ModelError, SessionError, SessionNotFoundError
 from meshnet.types import SessionId
 from meshnet.wire import ChunkState, FrameMeta, next_chunk_state
 from meshnet.wire.headers import FORK, MAX_REWIND_TOKENS
@@ -31,6 +35,18 @@ class Session:
     last_used_s: float = 0.0
     cache_bytes: int = 0
     batch: int = 0  # the batch size of its frames; every call of a session keeps it
+    kept: bool = False  # ended by its entry, kept as a prefix to fork from (ADR-0058)
+
+
+@dataclass
+class PrefixStats:
+    """What a store's kept prefixes saved: forks from them, and the tokens those forks did
+    not compute; what they hold now."""
+
+    hits: int = 0
+    tokens_reused: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
 
 
 def rewinds(meta: FrameMeta, length: int) -> bool:
@@ -96,6 +112,7 @@ class SessionStore:
         bytes_per_token: int = 0,
         truncate: Callable[[Any, int], None] = lambda cache, length: None,
         copy: Callable[[Any, int], Any] | None = None,
+        max_kept: int = 256,
     ) -> None:
         """`bytes_per_token`: what a token's cache is expected to cost before any is measured
         (0 left the first session's reservation unchecked: review finding 10); `truncate`
@@ -111,6 +128,8 @@ class SessionStore:
         self.evict_idle_s = evict_idle_s  # a session idle this long may be evicted for room
         self.bytes_per_token = bytes_per_token  # then learned from the caches measured
         self.refused = 0  # calls refused because the cache was full
+        self.max_kept = max_kept  # kept prefixes at most; the least recently used go first
+        self.stats = PrefixStats()  # hits and tokens reused (kept and bytes: `prefix_stats`)
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 
     def checkout(
@@ -146,10 +165,11 @@ class SessionStore:
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
+        session.kept = False  # a kept prefix its entry continues is live again
         kept = min(meta.position, session.length)
         self._reserve(meta.session, session, tokens - (session.length - kept), keep, pending_bytes)
         if forked is not None and self.copy is not None:  # room made: now the copy
-            session.cache = self.copy(forked[1].cache, meta.position)
+            session.cache = self._copy(self.copy, meta, forked[1])
         if kept < session.length:  # the frame is taken: the rejected drafts go now (ADR-0038)
             self.truncate(session.cache, kept)
             session.length = kept
@@ -181,6 +201,24 @@ class SessionStore:
             )
         return meta.fork, parent
 
+    def _copy(self, copy: Callable[[Any, int], Any], meta: FrameMeta, parent: Session) -> Any:
+        """The new session's cache: `parent`'s first `meta.position` tokens."""
+        try:
+            cache = copy(parent.cache, meta.position)
+        except ModelError as exc:  # a sliding layer dropped them: as if the parent were gone
+            raise SessionNotFoundError(
+                f"session {meta.fork} no longer holds its first {meta.position} tokens "
+                f"({exc.message}); re-send session {meta.session}'s tokens from position 0",
+                field=FORK,
+            ) from exc
+        if parent.kept:
+            self.stats.hits += 1
+            self.stats.tokens_reused += meta.position
+            parent.last_used_s = self.clock()  # a prefix in use is the last to go
+            if meta.fork is not None and meta.fork in self._sessions:
+                self._sessions.move_to_end(meta.fork)
+        return cache
+
     def _reserve(
         self,
         sid: SessionId,
@@ -191,10 +229,14 @@ class SessionStore:
     ) -> None:
         """Make room for `tokens` more of `session`, evicting idle sessions, or refuse (429)."""
         need = self.bytes_per_token * (session.length + tokens) - session.cache_bytes
-        others = {k: s for k, s in self._sessions.items() if k != sid}
+        others = {k: s for k, s in self._eviction_order() if k != sid}
         used = sum(s.cache_bytes for s in others.values()) + pending_bytes
         now = self.clock()
-        idle = {k: (s.cache_bytes, now - s.last_used_s) for k, s in others.items() if k not in keep}
+        idle = {
+            k: (s.cache_bytes, float("inf") if s.kept else now - s.last_used_s)
+            for k, s in others.items()
+            if k not in keep
+        }
         victims = make_room(
             idle, used + session.cache_bytes, need, self.max_bytes, self.evict_idle_s
         )
@@ -220,9 +262,35 @@ class SessionStore:
             self.bytes_per_token = max(self.bytes_per_token, per_token)
         self._sessions[sid] = session
         self._sessions.move_to_end(sid)
-        sizes = {k: s.cache_bytes for k, s in self._sessions.items()}
+        sizes = {k: s.cache_bytes for k, s in self._eviction_order()}
         for victim in over_budget(sizes, self.max_bytes, keep=sid):
             del self._sessions[victim]
+
+    def _eviction_order(self) -> list[tuple[SessionId, Session]]:
+        """Every session, the first to evict first: kept prefixes, then live sessions,
+        each least recently used first."""
+        items = list(self._sessions.items())
+        return [i for i in items if i[1].kept] + [i for i in items if not i[1].kept]
+
+    def keep(self, sid: SessionId) -> bool:
+        """End `sid` but keep its cache as a prefix to fork from; True when it existed.
+        Past `max_kept`, the least recently used kept prefix goes."""
+        session = self._sessions.get(sid)
+        if session is None:
+            return False
+        session.kept, session.chunks = True, None
+        session.last_used_s = self.clock()
+        self._sessions.move_to_end(sid)
+        kept = [k for k, s in self._sessions.items() if s.kept]
+        for victim in kept[: max(len(kept) - self.max_kept, 0)]:
+            del self._sessions[victim]
+        return True
+
+    def prefix_stats(self) -> PrefixStats:
+        """Hits and tokens reused so far; kept prefixes and their bytes now."""
+        kept = [s for s in list(self._sessions.values()) if s.kept]
+        sizes = sum(s.cache_bytes for s in kept)
+        return PrefixStats(self.stats.hits, self.stats.tokens_reused, len(kept), sizes)
 
     def expire(self) -> list[SessionId]:
         gone = expired(
@@ -236,7 +304,8 @@ class SessionStore:
         return self._sessions.pop(sid, None) is not None
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        """Live sessions (kept prefixes are not)."""
+        return sum(not s.kept for s in list(self._sessions.values()))
 
     def total_bytes(self) -> int:
         # list() copies in one step: a scrape on the event loop may run while the worker

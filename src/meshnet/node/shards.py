@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from meshnet.errors import WireError
 from meshnet.node.runner import ShardRunner
+from meshnet.node.sessions import PrefixStats
 from meshnet.types import LayerSpan
 from meshnet.wire import headers as h
 
@@ -43,6 +44,16 @@ class ShardTable:
 
     def cache_bytes(self) -> int:
         return sum(r.cache_bytes() for r in self.runners())
+
+    def prefix_stats(self) -> PrefixStats:
+        """Every shard's kept prefixes together."""
+        total = PrefixStats()
+        for stats in (r.prefix_stats() for r in self.runners()):
+            total.hits += stats.hits
+            total.tokens_reused += stats.tokens_reused
+            total.kept += stats.kept
+            total.kept_bytes += stats.kept_bytes
+        return total
 
     def __contains__(self, key: object) -> bool:
         return key in self._runners

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from meshnet.errors import ComputeError, SessionError, WireError
 from meshnet.node.runner import Frame, one_by_one
 from meshnet.node.scheduler import Failed
-from meshnet.node.sessions import Session, SessionStore
+from meshnet.node.sessions import PrefixStats, Session, SessionStore
 from meshnet.types import LayerSpan, ModelId, SessionId
 from meshnet.wire import ChunkState, FrameMeta
 from meshnet.wire import headers as h
@@ -207,8 +207,11 @@ class SpanRunner:
                 field=h.POSITION,
             )
 
-    def drop(self, session: SessionId) -> bool:
-        return self.sessions.drop(session)
+    def drop(self, session: SessionId, keep: bool = False) -> bool:
+        return self.sessions.keep(session) if keep else self.sessions.drop(session)
+
+    def prefix_stats(self) -> PrefixStats:
+        return self.sessions.prefix_stats()
 
     def session_count(self) -> int:
         return len(self.sessions)

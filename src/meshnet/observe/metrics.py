@@ -53,6 +53,23 @@ class Metrics:
         self.kv_cache_bytes = Gauge(
             "meshnet_kv_cache_bytes", "Bytes held by KV caches in this process", registry=r
         )
+        # kept prefixes (ADR-0058): sampled from the shards at each scrape
+        self.prefix_hits = Gauge(
+            "meshnet_prefix_hits",
+            "New sessions that started as a copy of a kept prefix (since start)",
+            registry=r,
+        )
+        self.prefix_tokens_reused = Gauge(
+            "meshnet_prefix_tokens_reused",
+            "Tokens those sessions took from kept prefixes instead of computing (since start)",
+            registry=r,
+        )
+        self.prefix_cache_sessions = Gauge(
+            "meshnet_prefix_cache_sessions", "Kept prefixes held in this process", registry=r
+        )
+        self.prefix_cache_bytes = Gauge(
+            "meshnet_prefix_cache_bytes", "KV cache bytes held by kept prefixes", registry=r
+        )
         self.forward_seconds = Histogram(
             "meshnet_forward_seconds",
             "Time to handle one POST /forward, decode to encode",

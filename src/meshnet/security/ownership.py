@@ -87,9 +87,10 @@ def frame_statement(frame: Frame, spans: tuple[LayerSpan, ...]) -> bytes:
     return "\n".join(fields).encode()
 
 
-def close_statement(session: str, node_id: str) -> bytes:
-    """What a close's signature covers: this session on this node only."""
-    return f"close\n{session}\n{node_id}".encode()
+def close_statement(session: str, node_id: str, keep: bool = False) -> bytes:
+    """What a close's signature covers: this session on this node only, kept as a prefix
+    or not (ADR-0058)."""
+    return f"{'keep' if keep else 'close'}\n{session}\n{node_id}".encode()
 
 
 def spans_text(spans: Iterable[LayerSpan]) -> str:
@@ -150,9 +151,10 @@ class SessionKeys:
         public, signature = self._sign(frame.session, frame_statement(frame, spans))
         return f"k={public}; spans={spans_text(spans)}; sig={signature}"
 
-    def close_proof(self, session: str, node_id: str) -> str:
-        """`X-Meshnet-Session-Proof` for closing `session` on `node_id`."""
-        public, signature = self._sign(session, close_statement(session, node_id))
+    def close_proof(self, session: str, node_id: str, keep: bool = False) -> str:
+        """`X-Meshnet-Session-Proof` for closing `session` on `node_id` (with `keep`: its
+        cache kept as a prefix)."""
+        public, signature = self._sign(session, close_statement(session, node_id, keep))
         return f"k={public}; sig={signature}"
 
 
@@ -200,10 +202,11 @@ def check_frame(value: str | None, frame: Frame) -> None:
     _verify(proof, owner, frame_statement(frame, proof.spans))
 
 
-def check_close(value: str | None, session: str, node_id: str) -> None:
-    """Refuse (403) closing `session` on `node_id` without its entry's signature."""
+def check_close(value: str | None, session: str, node_id: str, keep: bool = False) -> None:
+    """Refuse (403) closing `session` on `node_id` (keeping it, with `keep`) without its
+    entry's signature."""
     owner = owner_of(session)
-    _verify(parse_proof(value), owner, close_statement(session, node_id))
+    _verify(parse_proof(value), owner, close_statement(session, node_id, keep))
 
 
 def _verify(proof: Proof, owner: str, statement: bytes) -> None:

@@ -1,0 +1,132 @@
+"""Kept prefixes on a node (ADR-0058): a session its entry ends with `keep` stays only to be
+forked from. It counts against no session limit, goes first when room is needed, and forks
+from it are counted; keeping takes the entry's signature like closing does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import pytest
+import torch
+
+from meshnet.config import WireLimits
+from meshnet.errors import ModelError, SessionNotFoundError
+from meshnet.node.app import create_app
+from meshnet.node.runner import EchoRunner
+from meshnet.node.sessions import SessionStore
+from meshnet.security.ownership import PROCESS_KEYS, PROOF
+from meshnet.types import LayerSpan, ModelId, SessionId
+from meshnet.wire import FrameMeta
+from meshnet.wire import headers as h
+from tests.conftest import run
+from tests.node.test_forks import Box, meta, start
+
+SPAN = LayerSpan(0, 2)
+
+
+def store(max_bytes: int = 1000, max_kept: int = 256, clock: Callable[[], float] = lambda: 0.0):  # type: ignore[no-untyped-def]
+    return SessionStore(
+        lambda: Box([]),
+        lambda box: 10 * len(box.tokens),
+        max_bytes=max_bytes,
+        evict_idle_s=60.0,  # live sessions are never idle enough to go here
+        clock=clock,
+        bytes_per_token=10,
+        copy=lambda box, length: Box(box.tokens[:length]),
+        max_kept=max_kept,
+    )
+
+
+def fork(sessions: SessionStore, sid: str, parent: str, position: int, tokens: int) -> None:
+    session, chunks = sessions.checkout(meta(sid, position, parent), tokens)
+    session.cache.tokens.extend(range(position, position + tokens))
+    sessions.commit(SessionId(sid), session, tokens, chunks)
+
+
+def test_a_kept_prefix_is_no_live_session_and_its_forks_are_counted() -> None:
+    sessions = store()
+    start(sessions, "a", 30)
+    assert sessions.keep(SessionId("a")) and not sessions.keep(SessionId("nobody"))
+    assert len(sessions) == 0  # no session limit counts it
+    fork(sessions, "b", "a", 20, 5)
+    fork(sessions, "c", "a", 30, 1)
+    stats = sessions.prefix_stats()
+    assert (stats.hits, stats.tokens_reused, stats.kept, stats.kept_bytes) == (2, 50, 1, 300)
+    assert len(sessions) == 2
+    start(sessions, "d", 3)
+    fork(sessions, "e", "d", 3, 1)  # a live parent (n > 1): no prefix hit
+    assert sessions.prefix_stats().hits == 2
+
+
+def test_kept_prefixes_go_first_when_room_is_needed_whatever_their_age() -> None:
+    now = [0.0]
+    sessions = store(max_bytes=500, clock=lambda: now[0])
+    start(sessions, "old-live", 20)  # the least recently used, but live
+    now[0] = 1.0
+    start(sessions, "kept", 20)
+    sessions.keep(SessionId("kept"))
+    now[0] = 2.0
+    start(sessions, "new", 20)  # 600 bytes past 500: the kept prefix goes, not the live session
+    held = set(sessions._sessions)
+    assert held == {SessionId("old-live"), SessionId("new")}
+
+
+def test_past_max_kept_the_least_recently_used_prefix_goes() -> None:
+    sessions = store(max_kept=2)
+    for sid in ("a", "b", "c"):
+        start(sessions, sid, 2)
+    sessions.keep(SessionId("a"))
+    sessions.keep(SessionId("b"))
+    fork(sessions, "x", "a", 2, 1)  # a fork makes "a" the most recently used
+    sessions.keep(SessionId("c"))
+    assert sessions.prefix_stats().kept == 2
+    assert SessionId("b") not in sessions._sessions
+    assert {SessionId("a"), SessionId("c")} <= set(sessions._sessions)
+
+
+def test_a_prefix_a_sliding_layer_no_longer_holds_is_a_fork_miss() -> None:
+    def copy(box: Box, length: int) -> Box:
+        raise ModelError("a sliding-window layer keeps tokens from 40 on")
+
+    sessions = SessionStore(lambda: Box([]), lambda box: 0, copy=copy)
+    start(sessions, "a", 50)
+    sessions.keep(SessionId("a"))
+    with pytest.raises(SessionNotFoundError, match="no longer holds") as miss:
+        sessions.checkout(meta("b", 10, "a"))
+    assert miss.value.field == h.FORK  # 409: the entry prefills from 0 instead
+    assert len(sessions) == 0 and sessions.prefix_stats().hits == 0
+
+
+def test_keeping_over_http_takes_the_entry_signature_for_keeping() -> None:
+    parent = PROCESS_KEYS.new_id()
+    child = PROCESS_KEYS.child_id(parent)
+    runner = EchoRunner(ModelId("tiny"), SPAN)
+    runner.forward(FrameMeta(parent, ModelId("tiny"), SPAN, 0), torch.zeros(1, 6, 16))
+    app = create_app(runner, WireLimits())
+
+    async def delete(path: str, keep: bool) -> httpx.Response:
+        signed = {PROOF: PROCESS_KEYS.close_proof(parent, "unregistered", keep)}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+            return await client.delete(path, headers=signed)
+
+    assert run(delete(f"/sessions/{parent}?keep=1", keep=False)).status_code == 403
+    assert run(delete(f"/sessions/{parent}", keep=True)).status_code == 403
+    bad = run(delete(f"/sessions/{parent}?keep=yes", keep=True))
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "keep"
+    assert runner.session_count() == 1  # none of them changed anything
+    kept = run(delete(f"/sessions/{parent}?keep=1", keep=True))
+    assert kept.status_code == 200 and kept.json() == {"kept": parent}
+    assert runner.session_count() == 0
+    runner.forward(FrameMeta(child, ModelId("tiny"), SPAN, 4, fork=parent), torch.zeros(1, 1, 16))
+
+    async def metrics() -> str:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+            return (await client.get("/metrics")).text
+
+    text = run(metrics())
+    assert "meshnet_prefix_hits 1.0" in text
+    assert "meshnet_prefix_tokens_reused 4.0" in text
+    assert "meshnet_prefix_cache_sessions 1.0" in text
