@@ -128,6 +128,12 @@ class EntryConfig:
     draft: str = "none"  # none | lookup | model
     max_draft_tokens: int = 8
     draft_model: str = "default"  # with draft="model": a model sharing the tokenizer
+    # prompt prefixes (ADR-0058): a finished request's caches stay on its hops, and a later
+    # prompt starting with the same tokens forks from them; shared within one `client` (an
+    # API key, or an address where there are none), among `all`, or `off`
+    prefix_sharing: str = "client"
+    prefix_max_sessions: int = 64  # kept prefixes this entry remembers, per model
+    prefix_max_bytes: int = 256 * MiB  # the replay inputs they keep for failover, together
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
     ├── ModelError                  a model or checkpoint cannot be read or does not match (400)
     ├── SessionError                a session's cache cannot take this call (409)
     │   └── SessionNotFoundError    the session is unknown, expired or evicted (409)
+    │       └── PrefixMissError     a kept prefix a fork names is gone on some hop (409)
     ├── RouteError                  no chain of nodes can serve the request (503)
     │   └── MissingLayersError      some layers of a model have no node (503)
     ├── HopError                    a hop of a route failed or refused a frame (502)
@@ -95,6 +96,13 @@ class SessionError(MeshError):
 
 
 class SessionNotFoundError(SessionError):
+    http_status = 409
+
+
+class PrefixMissError(SessionNotFoundError):
+    """A hop no longer holds the kept prefix a new session forks from (ADR-0058): the entry
+    prefills the prompt from nothing instead; no hop failed."""
+
     http_status = 409
 
 

@@ -130,6 +130,7 @@ def fake_mesh(
     max_drafts: int = 0,
     head: object | None = None,
     context: bool = False,
+    prefix_sharing: str = "client",
 ) -> tuple[Generator, InProcessTransport, dict[str, EchoRunner]]:
     """A generator over an entry span 0:2 and two echo hops 2:4 and 4:6 (in-process).
 
@@ -166,6 +167,7 @@ def fake_mesh(
             push=push,
             pipelined_prefill=pipelined,
             prefill_piece_tokens=piece_tokens,
+            prefix_sharing=prefix_sharing,
         ),
         spot_checker=spot_checker,
     )

@@ -39,7 +39,9 @@ class Generator(Protocol):
     codec: TextCodec
     max_context: int  # prompt + generated tokens, at most
 
-    def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
+    def stream(
+        self, prompt: list[int], params: GenerationParams, client: str | None = None
+    ) -> AsyncGenerator[Event]:
         """Text deltas, then one `Finished`."""
         ...
 
@@ -136,7 +138,7 @@ def api_router(
         check_max_tokens(params, limits, request.max_tokens_field())
         if plan is not None:
             params = tools.constrain(params, plan, request.response_format is not None)
-        events = _limited(generator.stream(prompt, params), limiter, client, params.n)
+        events = _limited(generator.stream(prompt, params, client), limiter, client, params.n)
         render = chat_renderer(request.model, _token_text(generator, params))
         if plan is not None:
             return await respond_calls(events, request, render, plan, limits.write_timeout_s)
@@ -155,7 +157,7 @@ def api_router(
         check_room(prompt, generator.max_context, "prompt")
         check_max_tokens(request.params(), limits, "max_tokens")
         params = request.params()
-        events = _limited(generator.stream(prompt, params), limiter, client, params.n)
+        events = _limited(generator.stream(prompt, params, client), limiter, client, params.n)
         render = text_renderer(request.model, _token_text(generator, params))
         return await respond(events, request, render, "text_completion", limits.write_timeout_s)
 

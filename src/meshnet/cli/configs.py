@@ -69,6 +69,7 @@ def entry_config(args: argparse.Namespace) -> EntryConfig:
         draft=args.draft,
         max_draft_tokens=args.max_draft_tokens,
         draft_model=args.draft_model,
+        prefix_sharing=args.prefix_sharing,
     )
 
 

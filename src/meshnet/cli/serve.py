@@ -218,6 +218,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "sends them one at a time through every hop",
     )
     group.add_argument(
+        "--prefix-sharing",
+        choices=["client", "all", "off"],
+        default=entry.prefix_sharing,
+        help="a finished request's caches stay on its hops and later prompts starting with the "
+        "same tokens reuse them (ADR-0058): within one client (API key), among all, or off",
+    )
+    group.add_argument(
         "--spot-check-ban",
         type=float,
         default=entry.spot_check_ban_s,

@@ -3,7 +3,8 @@
 One `Generator` per served model. Each request opens its own pipeline session (so concurrent
 requests never share a cache), feeds the prompt as chunked prefill, then samples and feeds one
 token at a time until end-of-sequence, a stop sequence or `max_tokens`. The session is closed
-on every hop when the stream ends for any reason, the client going away included.
+on every hop when the stream ends for any reason, the client going away included; one that
+ended well is kept as a prompt prefix for the client's next requests (ADR-0058).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from meshnet.entry.drafter import Drafter, LookupDrafter
 from meshnet.entry.grammar import Grammar
 from meshnet.entry.pipeline import Pipeline
+from meshnet.entry.prefixes import scope_of
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.speculation import Rounds
 from meshnet.errors import RequestError
@@ -75,11 +77,15 @@ class Generator:
                 field="max_tokens",
             )
 
-    async def stream(self, prompt: list[int], params: GenerationParams) -> AsyncGenerator[Event]:
+    async def stream(
+        self, prompt: list[int], params: GenerationParams, client: str | None = None
+    ) -> AsyncGenerator[Event]:
         """Text deltas, then one `Finished`, for each of the `params.n` answers (events of
         several answers interleave, each naming its `index`); every session is closed on
-        every hop at the end."""
+        every hop at the end. `client` (who asks: an API key's name) decides which kept
+        prompt prefixes the request may reuse, and keeps its own for that client."""
         self.check(prompt, params)
+        scope = scope_of(self.pipeline.prefix_sharing, client)
         grammars: list[Grammar | None] = [None] * params.n
         if params.schema is not None or params.lark is not None:  # a bad one: 400, before work
             grammars = [await asyncio.to_thread(self._grammar, params) for _ in grammars]
@@ -88,12 +94,13 @@ class Generator:
         ends: list[Finished] = []
         error = "the client went away"
         try:
-            sessions.append(await self.pipeline.open())
+            sessions.append(await self.pipeline.open(prompt, scope))
             current_session.set(sessions[0].id)  # every later line of this request names it
             route = ", ".join(str(h) for h in sessions[0].hops) or "no remote hops"
-            log.info("%d prompt tokens; route %s", len(prompt), route)
+            reused = sessions[0].reused
+            log.info("%d prompt tokens (%d reused); route %s", len(prompt), reused, route)
             # closed before the sessions are: no answer may still be feeding them
-            generating = self._generate(sessions, prompt, params, started, grammars)
+            generating = self._generate(sessions, prompt, params, started, grammars, scope)
             async with aclosing(generating) as events:
                 async for event in events:
                     if isinstance(event, Finished):
@@ -107,7 +114,12 @@ class Generator:
                 self.drafter.forget(session.id)
             # Shielded: a client that went away cancels this task, and Starlette's
             # (anyio's) cancellation would otherwise hit every await of the clean-up too.
-            await asyncio.shield(asyncio.gather(*(self.pipeline.close(s) for s in sessions)))
+            # A request that ended well keeps its first session as a prompt prefix.
+            keep = scope if len(ends) == params.n else None
+            closing = [
+                self.pipeline.close(s, keep if i == 0 else None) for i, s in enumerate(sessions)
+            ]
+            await asyncio.shield(asyncio.gather(*closing))
             if sessions:
                 log.info("closed")
             end = together(ends) if len(ends) == params.n else None
@@ -129,6 +141,7 @@ class Generator:
         params: GenerationParams,
         started: float,
         grammars: list[Grammar | None],
+        scope: str | None,
     ) -> AsyncGenerator[Event]:
         """The prompt once through the mesh; each answer's first token from its logits; then
         the answers decode side by side, each in its own session (a fork of the prompt's,
@@ -145,7 +158,7 @@ class Generator:
         def pick(logits: torch.Tensor) -> list[int]:  # compute thread: [V] -> a token each
             return [r.pick(logits, prompt, 0) for r in rounds]
 
-        firsts = await self.pipeline.feed(sessions[0], prompt, pick)
+        firsts = await self.pipeline.prefill(sessions[0], prompt, pick, scope)
         sessions.extend(self.pipeline.fork(sessions[0]) for _ in firsts[1:])
         answers = [
             self._answer(session, r, first, len(prompt), params, started, index)

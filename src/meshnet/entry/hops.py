@@ -22,11 +22,12 @@ from meshnet.entry.latency import HopLatencies
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.transport import Transport
-from meshnet.errors import RouteError
+from meshnet.errors import HopError, PrefixMissError, RouteError
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, SessionKeys
 from meshnet.types import Hop, LayerSpan, ModelId, NodeId, SessionId
 from meshnet.wire import FrameMeta, split_prefill
+from meshnet.wire.headers import FORK
 from meshnet.wire.tensors import TensorChunk
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,12 @@ class Hops:
         if self.bans.has(hop.node_id):
             raise banned(hop)
         started = time.perf_counter()
-        out = await self.transport.forward(hop, meta, hidden)
+        try:
+            out = await self.transport.forward(hop, meta, hidden)
+        except HopError as exc:
+            if (miss := fork_miss(session, exc)) is None:
+                raise
+            raise miss from exc
         if hidden.shape[1] == 1:  # decode frames compare; prefill chunks vary
             self.latencies.record(hop, time.perf_counter() - started)
         session.record(k, hidden, self.max_replay_bytes)
@@ -165,7 +171,12 @@ class Hops:
         for hop in session.hops:
             if self.bans.has(hop.node_id):
                 raise banned(hop)
-        out = await self.transport.push(session.hops, meta, chunk.hidden)
+        try:
+            out = await self.transport.push(session.hops, meta, chunk.hidden)
+        except HopError as exc:
+            if (miss := fork_miss(session, exc)) is None:
+                raise
+            raise miss from exc
         session.record(0, chunk.hidden, self.max_replay_bytes)
         return out
 
@@ -185,3 +196,12 @@ class Hops:
         for chunk in split_prefill(hidden, 0, self.wire.chunk_tokens):
             meta = self.meta_for(session, hops[0].span, chunk.position, chunk.index, chunk.total)
             await self.transport.push(hops, meta, chunk.hidden)
+
+
+def fork_miss(session: PipelineSession, error: HopError) -> PrefixMissError | None:
+    """The error to raise instead of `error` when it says a hop lacks the kept prefix
+    `session` forks from (409 on its first frames, ADR-0058): no hop failed, so no failover;
+    the entry prefills from nothing."""
+    if not (session.reused and session.forking is not None and error.status == 409):
+        return None
+    return PrefixMissError(f"the prefix to fork from is gone: {error.message}", field=FORK)

@@ -5,13 +5,18 @@ through the remote hops of the session's route in order. Over the wire a prompt 
 of at most `chunk_tokens` tokens (ADR-0008): each chunk passes every remote hop before the next
 chunk starts, and every hop appends it to the session's cache. The session remembers every
 token id it fed, so any hop's cache can be rebuilt by replaying them.
+
+A prompt that starts with tokens a kept (or pending) prefix holds forks from it on every hop
+and prefills only the rest (ADR-0058, `entry/prefixes.py`); a request that ends well keeps
+its session as such a prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -22,9 +27,11 @@ from meshnet.entry import prefill
 from meshnet.entry.executor import Executor
 from meshnet.entry.failover import through
 from meshnet.entry.hops import AnswerCheck, Hops
+from meshnet.entry.prefixes import BLOCK_TOKENS, Found, PrefixIndex, cut
 from meshnet.entry.routes import RouteSource
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.transport import Transport
+from meshnet.errors import SessionError
 from meshnet.node.runner import Frame, ShardRunner
 from meshnet.node.scheduler import Failed
 from meshnet.observe.metrics import Metrics
@@ -103,10 +110,17 @@ class Pipeline:
         self.prefill_piece_tokens = config.prefill_piece_tokens
         self.step_wait_s = config.step_wait_s  # see `EntryConfig.step_wait_s`
         self.entry_hop = Hop(NodeId(entry_id), "local", local.span)  # this node's own span
+        self.prefix_sharing = config.prefix_sharing  # who shares kept prefixes (ADR-0058)
+        self.prefixes = PrefixIndex(config.prefix_max_sessions, config.prefix_max_bytes)
+        self.prefix_wait_s = config.hop_timeout_s  # for a pending prompt's prefill, at most
 
-    async def open(self) -> PipelineSession:
+    async def open(self, prompt: Sequence[int] = (), scope: str | None = None) -> PipelineSession:
         """A new session with a route for the layers after the entry's span; the entry's own
-        span counts against its process's session limit like any hop's."""
+        span counts against its process's session limit like any hop's. With a `scope`, a
+        fork of the kept or pending prefix of `prompt` in it, when there is one."""
+        found = await self._prefix(prompt, scope)
+        if found is not None:
+            return self._reuse(*found)
         session = self.keys.new_id()
         self.executor.admit_session(session)
         start = self.local.span.end
@@ -116,6 +130,71 @@ class Pipeline:
             self.executor.admitted(session)
             raise
         return PipelineSession(session, hops, degraded=self.hops.routes.degraded)
+
+    async def _prefix(self, prompt: Sequence[int], scope: str | None) -> Found | None:
+        """The session to fork `prompt`'s prefix from, and its length: a kept one, or a
+        pending one sharing more (waited for)."""
+        if scope is None or len(prompt) <= BLOCK_TOKENS:
+            return None
+        found = self.prefixes.match(prompt, scope, self._usable)
+        waiting = self.prefixes.waiting(prompt, scope, found[1] if found else 0)
+        if waiting is None:
+            return found
+        pending, tokens = waiting
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(pending.done.wait(), self.prefix_wait_s)
+        if pending.ok and self._usable(pending.session.hops):
+            return pending.session, min(tokens, pending.session.position)
+        return self.prefixes.match(prompt, scope, self._usable)
+
+    def _usable(self, hops: list[Hop]) -> bool:
+        """A route to reuse: none of its hops banned or slow (as `Hops.fresh_route` avoids)."""
+        avoid = self.hops.bans.active() | self.hops.latencies.slow()
+        return not any(hop.node_id in avoid for hop in hops)
+
+    def _reuse(self, source: PipelineSession, tokens: int) -> PipelineSession:
+        """A session forking `source`'s first `tokens` tokens on its route (its replay inputs
+        shared up to there): its first frames make every cache a copy."""
+        child = self.keys.child_id(source.id)
+        self.executor.admit_session(child)
+        session = PipelineSession(
+            child, list(source.hops), list(source.history[:tokens]), tokens,
+            cut(source.inputs, tokens), replayable=source.replayable, forking=source.id,
+            degraded=source.degraded, reused_from=source.id, reused=tokens,
+        )  # fmt: skip
+        session.recount()
+        return session
+
+    async def prefill(
+        self, session: PipelineSession, prompt: Sequence[int], pick: Pick[T], scope: str | None
+    ) -> T:
+        """`feed` of the prompt past what the session reused; requests in `scope` sharing it
+        may wait for it meanwhile. A fork whose prefix is gone somewhere starts again fresh."""
+        pending = self.prefixes.announce(session, prompt, scope) if scope is not None else None
+        ok = False
+        try:
+            try:
+                picked = await self.feed(session, list(prompt[session.position :]), pick)
+            except SessionError as exc:  # the local cache's miss, or a hop's (PrefixMissError)
+                if not session.reused or session.forking is None:
+                    raise
+                log.info("session %s: %s; prefilling the whole prompt", session.id, exc.message)
+                await self._restart(session)
+                picked = await self.feed(session, list(prompt), pick)
+            ok = True
+            return picked
+        finally:
+            if pending is not None:
+                self.prefixes.settle(pending, ok)
+
+    async def _restart(self, session: PipelineSession) -> None:
+        """`session` (a fork whose prefix is gone on some hop) dropped everywhere and made a
+        fresh session in place; the prefix is dropped too."""
+        await self.close(session)
+        gone = self.prefixes.remove(session.reused_from) if session.reused_from else None
+        if gone is not None:
+            await self.close(gone)
+        session.become(await self.open())
 
     def fork(self, parent: PipelineSession) -> PipelineSession:
         """A new session continuing `parent`'s tokens (fed, none pending): its first frame
@@ -268,9 +347,20 @@ class Pipeline:
                 results.append(Failed(exc))
         return results
 
-    async def close(self, session: PipelineSession) -> None:
-        """Drop the session's cache here and on every hop (errors are logged, not raised)."""
+    async def close(self, session: PipelineSession, keep: str | None = None) -> None:
+        """Drop the session's cache here and on every hop (errors are logged, not raised);
+        with a `keep` scope, keep it as a prefix of that scope instead (ADR-0058)."""
+        kept = keep is not None and session.position >= BLOCK_TOKENS
         self.executor.forget(session.id)
         self.executor.admitted(session.id)  # a session closed before its first call
-        await self.executor.call(self.local.drop, session.id)
-        await asyncio.gather(*(self.hops.close(h, session.id) for h in session.hops))
+        await self.executor.call(self.local.drop, session.id, kept)
+        await asyncio.gather(*(self.hops.close(h, session.id, kept) for h in session.hops))
+        if not kept or keep is None:
+            return
+        dropped = self.prefixes.add(session, keep)
+        source = self.prefixes.kept.get(session.reused_from) if session.reused_from else None
+        if source is not None and session.reused >= source[0].position:  # all in this one now
+            dropped.append(source[0])
+            self.prefixes.remove(source[0].id)
+        for gone in dropped:
+            await self.close(gone)

@@ -32,6 +32,9 @@ class PipelineSession:
     # session's (ADR-0045)
     forking: SessionId | None = None
     degraded: bool = False  # a route of it came from the members last seen (no tracker)
+    # a fork of a kept or pending prompt prefix (ADR-0058): its id, and the tokens taken
+    reused_from: SessionId | None = None
+    reused: int = 0
 
     def __post_init__(self) -> None:
         self.inputs = self.inputs or [[] for _ in self.hops]
@@ -50,6 +53,11 @@ class PipelineSession:
             replayable=self.replayable,
             forking=self.id,
         )
+
+    def become(self, other: PipelineSession) -> None:
+        """Take `other`'s place (a fork of a prefix that was gone somewhere starts again as a
+        fresh session: the request keeps its object)."""
+        vars(self).update(vars(other))
 
     def record(self, k: int, hidden: torch.Tensor, max_bytes: int) -> None:
         """Keep what hop `k` was sent, for replay, while the session stays within
