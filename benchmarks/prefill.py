@@ -76,9 +76,9 @@ class EmulatedLinks:
     async def push(self, hops: list[Hop], meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("this benchmark relays")
 
-    async def close_session(self, hop: Hop, session: object) -> None:
+    async def close_session(self, hop: Hop, session: object, keep: bool = False) -> None:
         if hop.address in self.runners:
-            self.runners[hop.address].drop(session)  # type: ignore[arg-type]
+            self.runners[hop.address].drop(session, keep)  # type: ignore[arg-type]
 
 
 class Head:

@@ -60,6 +60,25 @@ def test_sessions_continue_rewind_and_fork_as_with_torch(runner: TorchShardRunne
     assert runner.cache_bytes() == sum(s.cache.nbytes for s in held.values())
 
 
+def test_a_kept_prefix_leaves_the_pool_and_forks_answer_as_before(
+    runner: TorchShardRunner,
+) -> None:
+    """ADR-0058: rounds attend over the pool's taken cells, so a kept prefix moves out."""
+    prompt, steps = hidden(40, seed=2), hidden(2, seed=3)
+    runner.forward(meta("p", 0), prompt)
+    want = runner.forward(meta("p", 40), steps)
+    pool = runner.shard.ggml.pool  # type: ignore[attr-defined]
+    taken = int((pool.owner >= 0).sum())
+    assert runner.drop(SessionId("p"), keep=True)
+    assert int((pool.owner >= 0).sum()) == taken - 42  # its cells are free
+    assert runner.prefix_stats().kept_bytes == 42 * runner.sessions.bytes_per_token
+    got = runner.forward(meta("q", 40, fork="p"), steps)
+    assert torch.equal(want, got)
+    with pytest.raises(SessionError, match="ended"):  # a kept prefix takes no frames
+        runner.forward(meta("p", 42), steps[:, :1])
+    assert runner.prefix_stats().hits == 1
+
+
 def test_a_batched_round_answers_each_session_as_alone(runner: TorchShardRunner) -> None:
     for sid, length in (("x1", 3), ("y1", 5), ("x2", 3), ("y2", 5)):
         runner.forward(meta(sid, 0), hidden(length, seed=length))

@@ -134,13 +134,15 @@ async def collect(first: Event, events: AsyncGenerator[Event]) -> list[Answer]:
     return [("".join(parts.get(i, [])), ends[i], tuple(scores.get(i, []))) for i in sorted(ends)]
 
 
-def usage(ends: list[Finished]) -> dict[str, int]:
-    """OpenAI's usage of a request: its prompt once, the tokens of every answer."""
+def usage(ends: list[Finished]) -> dict[str, object]:
+    """OpenAI's usage of a request: its prompt once (of which a kept prefix held
+    `cached_tokens`), the tokens of every answer."""
     prompt, completion = ends[0].prompt_tokens, sum(e.completion_tokens for e in ends)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": ends[0].cached_tokens},
     }
 
 

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as declared pydantic models.
 
-Fields follow OpenAI's API reference; `top_k` and `repetition_penalty` are extensions.
+Fields follow OpenAI's API reference; `top_k`, `repetition_penalty` and `cache_prompt`
+(llama-server's name) are extensions.
 Fields meshnet does not implement are refused with a clear 400: declared ones by their
 bounds, unknown ones by `extra="forbid"` (`docs/api.md` lists them).
 """
@@ -109,6 +110,8 @@ class Sampling(Schema):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # an extension
+    # an extension (llama-server's): false neither reuses a kept prompt prefix nor keeps one
+    cache_prompt: bool = True
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -154,7 +157,10 @@ class ChatCompletionRequest(Sampling):
         limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
         scored = (self.top_logprobs or 0) if self.logprobs else None
         schema = self.response_format.schema_text() if self.response_format else None
-        return GenerationParams(limit, self.stops(), self.sampling(), scored, schema, n=self.n)
+        return GenerationParams(
+            limit, self.stops(), self.sampling(), scored, schema, n=self.n,
+            cache_prompt=self.cache_prompt,
+        )  # fmt: skip
 
 
 class CompletionRequest(Sampling):
@@ -169,5 +175,6 @@ class CompletionRequest(Sampling):
 
     def params(self) -> GenerationParams:
         return GenerationParams(
-            self.max_tokens, self.stops(), self.sampling(), self.logprobs, n=self.n
-        )
+            self.max_tokens, self.stops(), self.sampling(), self.logprobs, n=self.n,
+            cache_prompt=self.cache_prompt,
+        )  # fmt: skip

@@ -85,7 +85,7 @@ class Generator:
         every hop at the end. `client` (who asks: an API key's name) decides which kept
         prompt prefixes the request may reuse, and keeps its own for that client."""
         self.check(prompt, params)
-        scope = scope_of(self.pipeline.prefix_sharing, client)
+        scope = scope_of(self.pipeline.prefix_sharing, client) if params.cache_prompt else None
         grammars: list[Grammar | None] = [None] * params.n
         if params.schema is not None or params.lark is not None:  # a bad one: 400, before work
             grammars = [await asyncio.to_thread(self._grammar, params) for _ in grammars]
@@ -160,8 +160,9 @@ class Generator:
 
         firsts = await self.pipeline.prefill(sessions[0], prompt, pick, scope)
         sessions.extend(self.pipeline.fork(sessions[0]) for _ in firsts[1:])
+        cached = sessions[0].reused  # prompt tokens a kept prefix held (0 after a miss)
         answers = [
-            self._answer(session, r, first, len(prompt), params, started, index)
+            self._answer(session, r, first, (len(prompt), cached), params, started, index)
             for index, (session, r, first) in enumerate(zip(sessions, rounds, firsts, strict=True))
         ]
         async with aclosing(answers[0] if len(answers) == 1 else merged(answers)) as events:
@@ -191,12 +192,13 @@ class Generator:
         session: PipelineSession,
         rounds: Rounds,
         first: int,
-        prompt_tokens: int,
+        prompt: tuple[int, int],
         params: GenerationParams,
         started: float,
         index: int,
     ) -> AsyncGenerator[Event]:
-        """One answer: its tokens from `first` (sampled, not yet fed) on, until it ends."""
+        """One answer: its tokens from `first` (sampled, not yet fed) on, until it ends;
+        `prompt`: the prompt's tokens, and how many of them a kept prefix held."""
         state = Decoding()
         fresh = [first]
         tokens = self.metrics.tokens_generated.labels(self.model)
@@ -220,7 +222,7 @@ class Generator:
         self.metrics.accepted_tokens.labels(self.model).inc(rounds.accepted)
         yield Finished(
             state.reason,
-            prompt_tokens,
+            prompt[0],
             len(state.generated),
             [self.pipeline.entry_hop, *session.hops],
             state.first_s,
@@ -232,6 +234,7 @@ class Generator:
             rounds.rounds,
             index,
             session.degraded,
+            prompt[1],
         )
 
     def _report(

@@ -7,6 +7,9 @@ its own session at positions up to its own (and within its window). So a round o
 sessions is one attention per layer, and its graph depends only on the round's token count
 and the pool's size: decode steps reuse it (ADR-0051). `PoolCache` is a session's view: its
 cells in position order; cutting it (rewinds) frees cells, copying it (forks) takes new ones.
+
+A kept prefix (ADR-0058) leaves the pool (`PoolCache.stow`): every round attends over the
+pool's taken cells, so prefixes kept there would slow every live session's steps.
 """
 
 from __future__ import annotations
@@ -139,9 +142,42 @@ class PoolCache:
         self.pool.data[:, :, cells] = self.pool.data[:, :, self.cells[:length]]
         return other
 
+    def stow(self) -> StowedCache:
+        """This session's keys and values moved out of the pool (its cells freed)."""
+        stowed = StowedCache(self.pool, self.pool.data[:, :, self.cells].copy())
+        self.truncate(0)
+        return stowed
+
     def __del__(self) -> None:
         mine = self.cells[self.pool.owner[self.cells] == self.owner]
         self.pool.release(mine)
+
+
+class StowedCache:
+    """A kept prefix's keys and values outside the pool, [layers, 2, length, width] F16:
+    forks copy them back in."""
+
+    def __init__(self, pool: KvPool, data: np.ndarray) -> None:
+        self.pool = pool
+        self.data = data
+
+    @property
+    def length(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def copy(self, length: int) -> PoolCache:
+        """A new session in the pool holding the first `length` tokens."""
+        other = PoolCache(self.pool)
+        cells = other.extend(0, length)
+        self.pool.data[:, :, cells] = self.data[:, :, :length]
+        return other
+
+    def truncate(self, length: int) -> None:
+        self.data = self.data[:, :, :length]
 
 
 @dataclass(frozen=True)

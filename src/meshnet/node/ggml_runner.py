@@ -56,6 +56,7 @@ class GgmlShard:
             truncate=lambda cache, length: cache.truncate(length),
             copy=lambda cache, length: cache.copy(length),
             bytes_per_token=self.ggml.cache_bytes_per_token,
+            stow=lambda cache: cache.stow(),  # kept prefixes leave the shared pool
         )
 
 

@@ -68,6 +68,8 @@ class EchoRunner:
         self.stats = PrefixStats()
 
     def forward(self, meta: FrameMeta, hidden: Hidden) -> Hidden:
+        if meta.session in self.kept:
+            raise SessionNotFoundError(f"session {meta.session} ended (kept)", field=h.SESSION)
         length, chunks = self._sessions.get(meta.session) or self._start(meta)
         if length and rewinds(meta, length):
             length = meta.position  # rejected drafts dropped (ADR-0038)

@@ -113,11 +113,13 @@ class SessionStore:
         truncate: Callable[[Any, int], None] = lambda cache, length: None,
         copy: Callable[[Any, int], Any] | None = None,
         max_kept: int = 256,
+        stow: Callable[[Any], Any] = lambda cache: cache,
     ) -> None:
         """`bytes_per_token`: what a token's cache is expected to cost before any is measured
         (0 left the first session's reservation unchecked: review finding 10); `truncate`
         drops a cache's tokens past a length (rewinds, ADR-0038); `copy` makes a new cache of
-        a cache's first tokens (forks, ADR-0045; None: this store refuses forks)."""
+        a cache's first tokens (forks, ADR-0045; None: this store refuses forks); `stow`
+        turns a cache into what a kept prefix holds (ADR-0058)."""
         self.new_cache = new_cache
         self.truncate = truncate
         self.copy = copy
@@ -129,6 +131,7 @@ class SessionStore:
         self.bytes_per_token = bytes_per_token  # then learned from the caches measured
         self.refused = 0  # calls refused because the cache was full
         self.max_kept = max_kept  # kept prefixes at most; the least recently used go first
+        self.stow = stow
         self.stats = PrefixStats()  # hits and tokens reused (kept and bytes: `prefix_stats`)
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
 
@@ -156,6 +159,12 @@ class SessionStore:
             else:  # its cache is copied once room is made for it
                 session = Session(None, meta.position, batch=forked[1].batch)
                 keep = keep | {forked[0]}
+        elif session.kept:
+            raise SessionNotFoundError(
+                f"session {meta.session} ended (kept as a prefix to fork from); a new "
+                f"session may fork from it",
+                field="X-Meshnet-Session",
+            )
         elif meta.position != session.length and not rewinds(meta, session.length):
             problem = "leave a gap" if meta.position > session.length else "overlap it"
             raise SessionError(
@@ -165,7 +174,6 @@ class SessionStore:
                 field="X-Meshnet-Position",
             )
         chunks = next_chunk_state(session.chunks, meta.chunk_index, meta.chunk_total)
-        session.kept = False  # a kept prefix its entry continues is live again
         kept = min(meta.position, session.length)
         self._reserve(meta.session, session, tokens - (session.length - kept), keep, pending_bytes)
         if forked is not None and self.copy is not None:  # room made: now the copy
@@ -279,6 +287,8 @@ class SessionStore:
         if session is None:
             return False
         session.kept, session.chunks = True, None
+        session.cache = self.stow(session.cache)
+        session.cache_bytes = self.measure(session.cache)
         session.last_used_s = self.clock()
         self._sessions.move_to_end(sid)
         kept = [k for k, s in self._sessions.items() if s.kept]

@@ -33,6 +33,7 @@ class CacheOps:
     truncate: Callable[[Any, int], None]
     copy: Callable[[Any, int], Any]
     bytes_per_token: int
+    stow: Callable[[Any], Any] = lambda cache: cache  # what a kept prefix holds instead
 
 
 class Span(Protocol):
@@ -88,6 +89,7 @@ class SpanRunner:
             bytes_per_token=ops.bytes_per_token,
             truncate=ops.truncate,
             copy=ops.copy,
+            stow=ops.stow,
         )
 
     def take(self, hidden: Hidden) -> Hidden:

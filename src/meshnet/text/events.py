@@ -42,6 +42,7 @@ class Finished:
     decode_rounds: int = 0  # trips through the mesh after the prompt's
     index: int = 0  # the answer (choice) it ends
     degraded: bool = False  # routed among the members last seen: the tracker was unreachable
+    cached_tokens: int = 0  # prompt tokens a kept prefix held: not computed (ADR-0058)
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -37,3 +37,4 @@ class GenerationParams:
     schema: str | None = None  # a JSON schema (as JSON text) the output must match
     lark: str | None = None  # or a grammar in llguidance's lark dialect (tools, ADR-0044)
     n: int = 1  # answers to the prompt, sharing its prefill (ADR-0045)
+    cache_prompt: bool = True  # reuse a kept prompt prefix, and keep this one (ADR-0058)
