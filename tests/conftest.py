@@ -83,7 +83,7 @@ def share_cores_among_workers() -> None:
 # The end-to-end modules whose tests share one real mesh (`tests/e2e/conftest.py`)
 SHARED_MESH_MODULES = {
     f"tests/e2e/test_{name}_mesh.py"
-    for name in ("access", "dashboard", "entry", "failover", "limits")
+    for name in ("access", "dashboard", "entry", "failover", "limits", "prefix")
 }
 
 

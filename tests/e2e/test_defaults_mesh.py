@@ -55,6 +55,7 @@ def test_a_mesh_on_the_defaults_answers_as_llama_cpp(
         # attention off: [8, 16, 9, 16, 8, 10, 11, 16]: these prompts have near ties that
         # bf16 boundaries (or another kernel) tip after 8 tokens or so
         assert sum(agree) >= 65, agree  # of 103: other SIMD may tip other near ties
+        assert conversation_reuses_its_history(url) > 64  # ggml pools and stowed prefixes
     finally:
         stop_together([*nodes, tracker])
 
@@ -80,3 +81,42 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
+
+
+NEAR_TIE = 0.6  # nats: three bf16 boundaries move a logit gap by up to 0.2 each (above)
+
+
+def conversation_reuses_its_history(url: str) -> int:
+    """Three chat turns, each answered with the cache and without (`cache_prompt: false`):
+    the same tokens until a near tie (ADR-0058: ggml sums attention over a session's cells
+    where they lie in the shared pool, so a forked session's floats differ in the last bits,
+    as two sessions in different cells do). The tokens the last turn reused."""
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 6}]
+    reused = 0
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for question in ("Name a tree.", "Where does it grow?", "How tall is it?"):
+            messages.append({"role": "user", "content": question})
+            body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 16}
+            body |= {"logprobs": True, "top_logprobs": 2}
+            cached = client.post("/v1/chat/completions", json=body).json()
+            fresh = client.post("/v1/chat/completions", json=body | {"cache_prompt": False}).json()
+            same_until_a_near_tie(cached["choices"][0], fresh["choices"][0])
+            reused = cached["usage"]["prompt_tokens_details"]["cached_tokens"]
+            messages.append(
+                {"role": "assistant", "content": cached["choices"][0]["message"]["content"]}
+            )
+    return int(reused)
+
+
+def same_until_a_near_tie(cached: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """The two answers' tokens agree, up to the first where the fresh one's two best were
+    within `NEAR_TIE` and the cached one took the other."""
+    ours, theirs = cached["logprobs"]["content"], fresh["logprobs"]["content"]
+    for mine, other in zip(ours, theirs, strict=False):
+        if mine["token"] == other["token"]:
+            continue
+        best = {t["token"]: t["logprob"] for t in other["top_logprobs"]}
+        assert mine["token"] in best, (mine, other)
+        assert other["logprob"] - best[mine["token"]] < NEAR_TIE, (mine, other)
+        return
+    assert len(ours) == len(theirs)

@@ -130,3 +130,18 @@ def test_keeping_over_http_takes_the_entry_signature_for_keeping() -> None:
     assert "meshnet_prefix_hits 1.0" in text
     assert "meshnet_prefix_tokens_reused 4.0" in text
     assert "meshnet_prefix_cache_sessions 1.0" in text
+
+
+def test_a_prefix_of_one_model_or_quant_never_serves_another() -> None:
+    """Each (model, span) runner keeps its own prefixes: a fork naming another's is a miss
+    (the entry keeps an index per model, and a span reloaded at another quant is a new
+    runner with none)."""
+    parent = PROCESS_KEYS.new_id()
+    ones = EchoRunner(ModelId("one"), SPAN)
+    other = EchoRunner(ModelId("other"), SPAN)
+    ones.forward(FrameMeta(parent, ModelId("one"), SPAN, 0), torch.zeros(1, 6, 16))
+    ones.drop(parent, keep=True)
+    child = FrameMeta(PROCESS_KEYS.child_id(parent), ModelId("other"), SPAN, 4, fork=parent)
+    with pytest.raises(SessionNotFoundError) as miss:
+        other.forward(child, torch.zeros(1, 1, 16))
+    assert miss.value.field == h.FORK and ones.prefix_stats().hits == 0
