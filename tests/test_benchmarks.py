@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,3 +251,19 @@ def test_tracker_chaos_benchmark_loses_no_request_when_the_planner_dies() -> Non
     # `generate --tracker DEAD,LIVE,LIVE` answered; the node given a down tracker named it
     assert "generate --tracker DEAD,LIVE,LIVE: The capital of France is Paris" in out, out
     assert "a node given a tracker that is down named it: yes" in out, out
+
+
+@pytest.mark.mesh
+@pytest.mark.slow
+def test_prefix_benchmark_reuses_the_history_and_the_shared_system_prompt() -> None:
+    """Real processes (ADR-0058): later turns reuse the conversation so far; users sharing
+    a system prompt fork it on both nodes; the cost of keeping unshared prompts is printed."""
+    out = run_tiny("prefix.py", 300)
+    turns = [line.split("|") for line in out.splitlines() if re.match(r"^\| \d+ \| \d+ \|", line)]
+    assert [int(row[1]) for row in turns] == [1, 2, 3]
+    assert int(turns[0][3]) == 0 and all(int(row[3]) > 64 for row in turns[1:])
+    users = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+             if line.startswith(("| on |", "| off |")) and line.count("|") == 8}  # fmt: skip
+    assert int(users["on"][4]) > 64 and int(users["off"][4]) == 0
+    assert all(int(hits) >= 1 for hits in users["on"][5].strip(" []").split(","))
+    assert "cost of keeping every request: TTFT" in out

@@ -55,8 +55,8 @@ def test_a_kept_prefix_is_no_live_session_and_its_forks_are_counted() -> None:
     assert (stats.hits, stats.tokens_reused, stats.kept, stats.kept_bytes) == (2, 50, 1, 300)
     assert len(sessions) == 2
     start(sessions, "d", 3)
-    fork(sessions, "e", "d", 3, 1)  # a live parent (n > 1): no prefix hit
-    assert sessions.prefix_stats().hits == 2
+    fork(sessions, "e", "d", 3, 1)  # a live parent (a pending prompt, n > 1) counts too
+    assert sessions.prefix_stats().hits == 3
 
 
 def test_kept_prefixes_go_first_when_room_is_needed_whatever_their_age() -> None:
@@ -144,4 +144,4 @@ def test_a_prefix_of_one_model_or_quant_never_serves_another() -> None:
     child = FrameMeta(PROCESS_KEYS.child_id(parent), ModelId("other"), SPAN, 4, fork=parent)
     with pytest.raises(SessionNotFoundError) as miss:
         other.forward(child, torch.zeros(1, 1, 16))
-    assert miss.value.field == h.FORK and ones.prefix_stats().hits == 0
+    assert miss.value.field == h.FORK and other.prefix_stats().hits == 0

@@ -40,8 +40,9 @@ class Session:
 
 @dataclass
 class PrefixStats:
-    """What a store's kept prefixes saved: forks from them, and the tokens those forks did
-    not compute; what they hold now."""
+    """What forks saved (new sessions copying another's first tokens: a kept prefix, a live
+    prompt, another answer's prompt) and the tokens they did not compute; what kept
+    prefixes hold now."""
 
     hits: int = 0
     tokens_reused: int = 0
@@ -219,9 +220,9 @@ class SessionStore:
                 f"({exc.message}); re-send session {meta.session}'s tokens from position 0",
                 field=FORK,
             ) from exc
+        self.stats.hits += 1  # a kept prefix, a prompt being answered, or n > 1's prompt
+        self.stats.tokens_reused += meta.position
         if parent.kept:
-            self.stats.hits += 1
-            self.stats.tokens_reused += meta.position
             parent.last_used_s = self.clock()  # a prefix in use is the last to go
             if meta.fork is not None and meta.fork in self._sessions:
                 self._sessions.move_to_end(meta.fork)

@@ -56,7 +56,8 @@ class Metrics:
         # kept prefixes (ADR-0058): sampled from the shards at each scrape
         self.prefix_hits = Gauge(
             "meshnet_prefix_hits",
-            "New sessions that started as a copy of a kept prefix (since start)",
+            "New sessions that started as a copy of another's first tokens: a kept prefix, a "
+            "prompt being answered, another answer's prompt (since start)",
             registry=r,
         )
         self.prefix_tokens_reused = Gauge(
