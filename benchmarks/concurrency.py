@@ -148,6 +148,9 @@ def choices_request(url: str, n: int, tokens: int) -> None:
         "temperature": 0,
         "max_tokens": tokens,
         "n": n,
+        # n against separate requests, each prefilled: kept prefixes would spare the later
+        # ones their prompt (ADR-0058, measured in benchmarks/prefix.py)
+        "cache_prompt": False,
     }
     answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     if answer.status_code != 200 or len(answer.json()["choices"]) != n:

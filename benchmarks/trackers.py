@@ -181,6 +181,8 @@ def watch(mesh: TrackerMesh, result: Result, done: threading.Event) -> None:
                 said[url] = mesh.coverage(url)
             except (httpx.HTTPError, ValueError):
                 continue  # just killed, or not listening yet
+        for url in set(wrong_since) - set(said):  # down: a restarted one starts anew (a
+            del wrong_since[url]  # stretch begun before a kill once counted the downtime)
         most = max((len(c["nodes"]) for c in said.values()), default=0)
         now = time.monotonic()
         for url, coverage in said.items():

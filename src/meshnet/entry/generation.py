@@ -98,7 +98,7 @@ class Generator:
             current_session.set(sessions[0].id)  # every later line of this request names it
             route = ", ".join(str(h) for h in sessions[0].hops) or "no remote hops"
             reused = sessions[0].reused
-            log.info("%d prompt tokens (%d reused); route %s", len(prompt), reused, route)
+            log.info("%d prompt tokens; route %s; %d reused", len(prompt), route, reused)
             # closed before the sessions are: no answer may still be feeding them
             generating = self._generate(sessions, prompt, params, started, grammars, scope)
             async with aclosing(generating) as events:
