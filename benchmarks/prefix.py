@@ -1,7 +1,7 @@
 """Prompt prefixes reused across requests (ADR-0058): time to first token with and without.
 
     python benchmarks/prefix.py          # 10 turns of ~200 tokens, 8 users x 1,000 tokens
-    python benchmarks/prefix.py --tiny   # 3 turns, 3 users x 200 tokens (what the tests run)
+    python benchmarks/prefix.py --tiny   # 3 turns, 2 users x 128 tokens (what the tests run)
 
 A tracker-as-entry-node (layers 0:10) and two nodes (10:20, 20:30), real processes on
 loopback, the default model at its default quant (`--quant` to change), the entry started
@@ -219,8 +219,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.tiny:
-        args.turns, args.turn_tokens, args.answer_tokens, args.repeats = 3, 80, 8, 1
-        args.users, args.system_tokens, args.unshared = 3, 200, 2
+        args.turns, args.turn_tokens, args.answer_tokens, args.repeats = 3, 72, 4, 1
+        args.users, args.system_tokens, args.unshared = 2, 128, 1
     quant = ["--quant", args.quant] if args.quant else []
     tables: list[Callable[[httpx.Client, Text, list[str]], None]] = [
         lambda c, t, n: chat_table(c, t, args),
