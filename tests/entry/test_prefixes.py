@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnet.entry.generation import Generator
-from meshnet.entry.prefixes import BLOCK_TOKENS, PrefixIndex, chain, common_length, cut, scope_of
-from meshnet.entry.session import PipelineSession
+from meshnet.entry.prefixes import BLOCK_TOKENS, PrefixIndex, chain, common_length, scope_of
+from meshnet.entry.session import PipelineSession, cut
 from meshnet.entry.transport import InProcessTransport
 from meshnet.text.events import Delta, Finished
 from meshnet.text.params import GenerationParams, SamplingParams

@@ -133,3 +133,33 @@ def test_a_draft_model_with_another_vocabulary_is_refused(
     tiny = str(tiny_folder("llama"))  # type: ignore[operator]
     with pytest.raises(ConfigError, match="share its tokenizer"):
         generators([EntryConfig(draft="model", draft_model=tiny)])
+
+
+@pytest.mark.slow
+def test_drafted_turns_that_reuse_the_conversation_equal_fresh_ones(
+    compute: ComputeDtype, smollm_reference: Any
+) -> None:
+    """ADR-0058 with real weights and lookup drafts: each turn of a chat, reusing the kept
+    prefix of the one before, gives the tokens the same turn gives prefilled from nothing."""
+    (drafting,) = generators([EntryConfig(seed=0, draft="lookup")])
+    codec = drafting.codec  # type: ignore[attr-defined]
+    params = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0.0))
+    messages = [{"role": "system", "content": "You repeat what you are asked to. " * 4}]
+
+    async def answer(ids: list[int], cache: bool) -> Finished:
+        asked = GenerationParams(**{**vars(params), "cache_prompt": cache})
+        async for event in drafting.stream(ids, asked, "key:test"):  # type: ignore[attr-defined]
+            if isinstance(event, Finished):
+                return event
+        raise AssertionError("no end")
+
+    reused = []
+    for text in (QUOTE, "Now repeat it again, word for word.", CODE):
+        messages.append({"role": "user", "content": text})
+        ids = codec.chat(messages)
+        cached, fresh = asyncio.run(answer(ids, True)), asyncio.run(answer(ids, False))
+        assert_same_up_to_a_near_tie(smollm_reference, ids, fresh.token_ids, cached.token_ids, text)
+        reused.append(cached.cached_tokens)
+        assert cached.drafted_tokens > 0
+        messages.append({"role": "assistant", "content": codec.decode(cached.token_ids)})
+    assert reused[0] == 0 and all(r > 64 for r in reused[1:]), reused

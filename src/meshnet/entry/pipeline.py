@@ -27,9 +27,9 @@ from meshnet.entry import prefill
 from meshnet.entry.executor import Executor
 from meshnet.entry.failover import through
 from meshnet.entry.hops import AnswerCheck, Hops
-from meshnet.entry.prefixes import BLOCK_TOKENS, Found, PrefixIndex, cut
+from meshnet.entry.prefixes import BLOCK_TOKENS, Found, PrefixIndex
 from meshnet.entry.routes import RouteSource
-from meshnet.entry.session import PipelineSession
+from meshnet.entry.session import PipelineSession, cut
 from meshnet.entry.transport import Transport
 from meshnet.errors import SessionError
 from meshnet.node.runner import Frame, ShardRunner
@@ -350,14 +350,15 @@ class Pipeline:
     async def close(self, session: PipelineSession, keep: str | None = None) -> None:
         """Drop the session's cache here and on every hop (errors are logged, not raised);
         with a `keep` scope, keep it as a prefix of that scope instead (ADR-0058)."""
-        kept = keep is not None and session.position >= BLOCK_TOKENS
+        scope = keep if session.position >= BLOCK_TOKENS else None  # a block, or not worth it
+        kept = scope is not None
         self.executor.forget(session.id)
         self.executor.admitted(session.id)  # a session closed before its first call
         await self.executor.call(self.local.drop, session.id, kept)
         await asyncio.gather(*(self.hops.close(h, session.id, kept) for h in session.hops))
-        if not kept or keep is None:
+        if scope is None:
             return
-        dropped = self.prefixes.add(session, keep)
+        dropped = self.prefixes.add(session, scope)
         source = self.prefixes.kept.get(session.reused_from) if session.reused_from else None
         if source is not None and session.reused >= source[0].position:  # all in this one now
             dropped.append(source[0])

@@ -23,8 +23,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from meshnet.entry.session import PipelineSession
 from meshnet.types import Hop, SessionId
 
@@ -51,7 +49,8 @@ def chain(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> list[int]:
 
 
 def common_length(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
-    """How many first tokens `a` and `b` share (they are known to share `known`: checked)."""
+    """How many first items (tokens, chain hashes) `a` and `b` share (they are known to
+    share `known`: checked)."""
     if list(a[:known]) != list(b[:known]):
         return 0
     n = known
@@ -116,7 +115,7 @@ class PrefixIndex:
         hashes = chain(prompt)
         best: tuple[Pending, int] | None = None
         for pending in self.pending:
-            depth = _shared_blocks(pending.chain, hashes)
+            depth = common_length(pending.chain, hashes)
             if pending.scope != scope or depth == 0:
                 continue
             n = min(common_length(pending.prompt, prompt, depth * BLOCK_TOKENS), len(prompt) - 1)
@@ -165,25 +164,3 @@ class PrefixIndex:
     def held_bytes(self) -> int:
         """Replay inputs the kept prefixes hold."""
         return sum(session.replay_bytes for session, _, _ in self.kept.values())
-
-
-def _shared_blocks(a: list[int], b: list[int]) -> int:
-    """Leading hashes two chains share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def cut(inputs: list[list[torch.Tensor]], tokens: int) -> list[list[torch.Tensor]]:
-    """Each hop's replay inputs ([1, T, H] pieces) up to their first `tokens` tokens."""
-    kept = []
-    for pieces in inputs:
-        left, mine = tokens, []
-        for piece in pieces:
-            if left <= 0:
-                break
-            mine.append(piece if piece.shape[1] <= left else piece[:, :left])
-            left -= piece.shape[1]
-        kept.append(mine)
-    return kept

@@ -82,16 +82,24 @@ class PipelineSession:
             return
         self.position -= dropped
         del self.history[-dropped:]
-        for pieces in self.inputs:
-            left = dropped  # what hop k was sent ends with those tokens
-            while pieces and left:
-                last = pieces.pop()
-                if last.shape[1] > left:
-                    pieces.append(last[:, : last.shape[1] - left])
-                left = max(left - last.shape[1], 0)
+        self.inputs = cut(self.inputs, self.position)  # what hop k was sent ends with them
         self.recount()
         self.rewinding = True
 
     def recount(self) -> None:
         """`replay_bytes` again from `inputs` (after a failover replaced some)."""
         self.replay_bytes = sum(t.numel() * t.element_size() for ts in self.inputs for t in ts)
+
+
+def cut(inputs: list[list[torch.Tensor]], tokens: int) -> list[list[torch.Tensor]]:
+    """Each hop's replay inputs ([1, T, H] pieces) up to their first `tokens` tokens."""
+    kept = []
+    for pieces in inputs:
+        left, mine = tokens, []
+        for piece in pieces:
+            if left <= 0:
+                break
+            mine.append(piece if piece.shape[1] <= left else piece[:, :left])
+            left -= piece.shape[1]
+        kept.append(mine)
+    return kept
