@@ -259,3 +259,31 @@ def test_a_restarted_node_proves_itself_with_the_token_it_kept(tmp_path: Path) -
         await client.aclose()
 
     run(scenario())
+
+
+def test_a_lower_term_directs_the_node_only_once_its_planner_is_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trackers restarted from nothing start terms over (they take none from nodes: review
+    L1); the node waits `FENCE_BEATS` intervals without its term's planner, then follows."""
+    from meshnet.node import agent as agent_module
+
+    now = [100.0]
+    monkeypatch.setattr(agent_module.time, "monotonic", lambda: now[0])
+    load = msg.DirectiveMessage(
+        op="LOAD_SHARD", model="m", source="m-source", span=LayerSpan(0, 8), reason="test"
+    )
+
+    async def scenario() -> None:
+        _, client = tracker()
+        node = agent(client, "a", 100)
+        node._apply([], 7)  # a planner of term 7 answers
+        node._apply([load], 1)
+        assert node.term == 7 and not node.loading
+        now[0] += agent_module.FENCE_BEATS * node.interval_s + 0.1
+        node._apply([load], 1)
+        assert node.term == 1 and ("m", LayerSpan(0, 8)) in node.loading
+        await asyncio.gather(*node.loading.values())
+        await client.aclose()
+
+    run(scenario())

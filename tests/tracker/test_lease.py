@@ -174,14 +174,20 @@ def test_a_renewal_keeps_the_term_and_a_vote_with_a_live_planner_is_refused() ->
     assert not lease.vote(Ask("http://a", 1), 2.0 + LEASE_S).granted  # a's old term: stale
 
 
-def test_nodes_told_of_a_higher_term_lift_the_next_one() -> None:
-    """Every tracker restarted: terms start over, but nodes took directives of term 7."""
+def test_a_candidate_that_is_no_tracker_of_the_mesh_gets_no_vote() -> None:
+    """Review L2: a member asked as a URL that is none of the trackers'."""
+    lease = Lease("http://a", ["http://a", "http://b", "http://c"], LEASE_S, 0.0)
+    refused = lease.vote(Ask("http://127.0.0.1:9", 1), 1.0)
+    assert not refused.granted and lease.holder is None and lease.term == 0
+    assert lease.vote(Ask("http://b", 1), 1.0).granted  # a tracker of the mesh still may
+
+
+def test_terms_start_above_every_term_this_tracker_knows_and_renewals_keep_them() -> None:
     lease = Lease("http://a", ["http://a"], LEASE_S, 0.0)
-    lease.heard(7)
     ask = lease.ask(0.0)
-    assert ask.term == 8
+    assert ask.term == 1
     assert lease.tally(ask, 0.0, lease.vote(ask, 0.0), [])
-    assert lease.planner_term == 8 and lease.ask(0.1).term == 8  # renewals keep it
+    assert lease.planner_term == 1 and lease.ask(0.1).term == 1  # renewals keep it
 
 
 def test_a_tracker_started_after_the_election_follows_the_planner_without_raising_terms() -> None:

@@ -101,6 +101,10 @@ def test_three_trackers_agree_on_one_planner_and_elect_another_when_it_stops(
         stranger = {"url": "http://x:1", "trackers": ["http://x:1"], "models": [], "term": 99}
         refused = httpx.post(follower + "/v1/trackers/lease", json=stranger)
         assert refused.status_code == 409 and "http://x:1" in refused.json()["error"]["message"]
+        models = [m["model"] for m in coverage["models"]]  # review L2: a URL of no tracker
+        impostor = {"url": "http://127.0.0.1:9", "trackers": urls, "models": models, "term": 9}
+        refused = httpx.post(follower + "/v1/trackers/lease", json=impostor)
+        assert refused.status_code == 409 and "127.0.0.1:9" in refused.json()["error"]["message"]
         assert planners(urls) == {first}
         running[first].close()  # stops its server
         rest = [u for u in urls if u != first]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
@@ -30,6 +31,7 @@ from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
 
 log = logging.getLogger(__name__)
+FENCE_BEATS = 3  # a higher term's planner silent this many intervals: a lower term may direct
 Loader = Callable[[str, str, LayerSpan], ShardRunner]  # (model id, source, span) -> runner
 
 
@@ -127,7 +129,8 @@ class NodeAgent:
         self.service = service
         clients = [client] if isinstance(client, httpx.AsyncClient) else list(client)
         self.links = [Link(c) for c in clients]
-        self.term = -1  # the highest planner term whose directives we took
+        self.term = -1  # the highest planner term whose directives we took...
+        self.term_heard_s = -math.inf  # ...and when its planner last answered (monotonic)
         self.registration = registration
         self.loader = loader
         self.on_load = on_load  # on the event loop, once a loaded span serves
@@ -279,11 +282,11 @@ class NodeAgent:
     def _apply(self, directives: list[msg.DirectiveMessage], term: int | None) -> None:
         """Carry out a planner's directives; none from a tracker that does not plan (`term`
         None) or from a planner older than one we have heard from (a partition healing)."""
-        if term is None or term < self.term:
+        if term is None or not self._fenced_in(term):
             if directives:
                 log.warning("ignored %d directives of planner term %s", len(directives), term)
             return
-        self.term = term
+        self.term, self.term_heard_s = term, time.monotonic()
         for d in directives:
             log.info("%s %s %s: %s", d.op, d.model, d.span, d.reason)
             key = (d.model, d.span)
@@ -293,6 +296,18 @@ class NodeAgent:
                 self._keep_cache()  # what no span uses now may leave the cache
             elif key not in self.service.shards and key not in self.loading:
                 self.loading[key] = asyncio.create_task(self._load(d))
+
+    def _fenced_in(self, term: int) -> bool:
+        """Whether a planner of `term` may direct us: one of our highest term or above, or
+        a lower one once our highest term's planner has been silent `FENCE_BEATS` intervals
+        (every tracker restarted: their terms start over; trackers take no term from nodes,
+        so a member's huge term fences nobody out for good: review L1)."""
+        if term >= self.term:
+            return True
+        if time.monotonic() - self.term_heard_s < FENCE_BEATS * self.interval_s:
+            return False
+        log.warning("planner term %d is gone; taking directives of term %d", self.term, term)
+        return True
 
     async def _load(self, d: msg.DirectiveMessage) -> None:
         key = (d.model, d.span)

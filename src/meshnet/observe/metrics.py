@@ -145,6 +145,18 @@ class Metrics:
         self.planner_terms = Counter(
             "meshnet_planner_terms", "Leases this tracker won as a new planner", registry=r
         )
+        self.lease_failures = Counter(
+            "meshnet_lease_failures",
+            "Lease rounds that failed on this tracker (logged; the next round goes on)",
+            registry=r,
+        )
+        self.weights_refused = Counter(
+            "meshnet_weights_refused",
+            "Weights answers this node refused or gave up on, by why (encoded, too_long, "
+            "deadline, stalled, hash, busy)",
+            ["why"],
+            registry=r,
+        )
         self.layers_covered = Gauge(
             "meshnet_layers_covered", "Layers served by a live node", ["model"], registry=r
         )

@@ -7,7 +7,9 @@ after it *sent* its ask: that is before any of those votes runs out, so a planne
 from the others stops planning before they can elect another (clocks only need to run at
 about the same rate). Terms number the leases: a candidate whose vote is not already its
 own asks with a term above every term it has seen, and nodes ignore the directives of a
-term below the highest they have seen.
+term below the highest they have seen while its planner still answers (`node/agent.py`).
+Only the mesh's own trackers are candidates, and terms come from trackers only: a member
+that reports a huge term to a tracker raises nothing (review L1, L2).
 
 Pure: the clock is the caller's (`now` in seconds, monotonic); nothing here does I/O.
 """
@@ -55,7 +57,6 @@ class Lease:
         self.vote_until_s = start_s  # ...until then
         self.leads_until_s = NEVER  # when we plan: until then
         self.planner_term = 0  # the term of our lease, while we plan
-        self.floor = 0  # the highest term nodes told of (all trackers may have restarted)
 
     @property
     def majority(self) -> int:
@@ -77,7 +78,7 @@ class Lease:
         vote for ourselves raises our term only if we win (`tally`): a tracker that keeps
         losing must not outbid the planner's renewals."""
         free = now >= self.vote_until_s or self.holder in (None, ask.candidate)
-        if not free or ask.term < self.term:
+        if not free or ask.term < self.term or ask.candidate not in self.trackers:
             return Grant(False, self.term, self.planner(now))
         self.holder, self.vote_until_s = ask.candidate, now + self.lease_s
         if ask.candidate != self.me:
@@ -93,13 +94,9 @@ class Lease:
         return now >= self.vote_until_s + self.rank * self.stagger_s
 
     def ask(self, now: float) -> Ask:
-        """Our ask: a renewal keeps our term unless nodes have seen a higher one."""
-        renewing = self.holder == self.me and now < self.vote_until_s and self.term > self.floor
-        return Ask(self.me, self.term if renewing else max(self.term, self.floor) + 1)
-
-    def heard(self, term: int) -> None:
-        """A node took directives of `term`: our next term must be above it."""
-        self.floor = max(self.floor, term)
+        """Our ask: a renewal keeps our term; a first ask passes every term we know of."""
+        renewing = self.holder == self.me and now < self.vote_until_s and self.term > 0
+        return Ask(self.me, self.term if renewing else self.term + 1)
 
     def tally(self, ask: Ask, sent_s: float, own: Grant, grants: Sequence[Grant]) -> bool:
         """Count the answers to `ask` (sent at `sent_s`; `own`: our own vote on it); true

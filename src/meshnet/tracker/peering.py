@@ -77,7 +77,11 @@ class Peering:
     async def run(self) -> None:
         """Ask or renew every `period_s` (cancel to stop)."""
         while True:
-            await self.round()
+            try:
+                await self.round()
+            except Exception:  # the lease loop is a boundary: it must never end (review L1)
+                log.exception("lease round failed; trying again")
+                self.registry.metrics.lease_failures.inc()
             await asyncio.sleep(self.lease.period_s)
 
     async def round(self) -> None:
@@ -91,8 +95,15 @@ class Peering:
         self.sync()
 
     def answer(self, ask: msg.LeaseAsk) -> msg.LeaseAnswer:
-        """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh."""
+        """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh or its
+        candidate is none of the mesh's trackers (review L2: a member named another URL)."""
         self.check(ask)
+        if ask.url not in self.lease.trackers or ask.url == self.hello.url:
+            raise PeerMismatchError(
+                f"{ask.url} asks for the lease but is not another of this mesh's trackers "
+                f"({self.lease.trackers})",
+                field="url",
+            )
         grant = self.lease.vote(Ask(ask.url, ask.term), self.clock())
         self.sync()
         return msg.LeaseAnswer(granted=grant.granted, term=grant.term, holder=grant.holder)
@@ -125,8 +136,8 @@ class Peering:
         return {"planner": planner, "term": self.lease.term, "trackers": self.lease.trackers}
 
     async def _ask(self, peer: str, ask: Ask) -> Grant | None:
-        body = msg.LeaseAsk(**self.hello.model_dump(), term=ask.term)
         try:
+            body = msg.LeaseAsk(**self.hello.model_dump(), term=ask.term)
             response = await self.client.post(
                 peer + LEASE_PATH, json=body.model_dump(), timeout=self.lease.period_s
             )

@@ -119,8 +119,6 @@ class Registry:
             self.validate(request)
             if self.rejoin_s is not None:  # the first registration: the others are coming
                 self._next_plan_s, self.rejoin_s = self.clock() + self.rejoin_s, None
-            if self.lease is not None:
-                self.lease.heard(request.term)
             node_id, address = NodeId(request.node_id), peer or host_of(request.address)
             check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
             loaded = {self._key(ref) for ref in request.loaded}
@@ -154,8 +152,6 @@ class Registry:
                     f"node {beat.node_id} is not registered; register again", field="node_id"
                 )
             check_token(record.token, beat.token, beat.node_id)
-            if self.lease is not None:
-                self.lease.heard(beat.term)
             loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
             loading = {self._key(ref) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
