@@ -249,7 +249,10 @@ def test_tracker_chaos_benchmark_loses_no_request_when_the_planner_dies() -> Non
     assert deaths == 1 and takeover_s <= 3 * 1.0 + 1.0, out
     assert float(row[6]) <= 3 * 1.0 + 1.0 and int(row[8]) == 0, out
     # `generate --tracker DEAD,LIVE,LIVE` answered; the node given a down tracker named it
-    assert "generate --tracker DEAD,LIVE,LIVE: The capital of France is Paris" in out, out
+    # (its greedy words depend on the CPU's kernels: "The capital of France is Paris" on an
+    # Intel Xeon, "L'Étoile (The City" on an AMD EPYC Zen 5, both bf16: an answer is the point)
+    answered = [line for line in out.splitlines() if line.startswith("generate --tracker")]
+    assert answered and all(": error:" not in a and a.split(": ", 1)[1] for a in answered), out
     assert "a node given a tracker that is down named it: yes" in out, out
 
 

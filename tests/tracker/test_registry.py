@@ -204,6 +204,9 @@ def test_a_load_names_the_models_digest_and_its_holders_least_loaded_first() -> 
     message = reg.to_message(directive)
     assert message.digest == DIGEST
     assert [h.node_id for h in message.holders] == ["b", "a"]
+    claims = [msg.ShardRef(model="m", span=LayerSpan(10, 20))]  # review W1: a claim only
+    reg.register(request("liar", budget_mb=400).model_copy(update={"loaded": claims}))
+    assert "liar" not in [h.node_id for h in reg.to_message(directive).holders]
     reg.digests = {}
     assert reg.to_message(directive).holders == []  # not known by content: nothing to fetch
 
@@ -256,7 +259,7 @@ def test_holders_are_found_among_the_first_that_serve_and_the_start_turns() -> N
     for i in range(SCAN + 10):  # every one holds the span
         name = f"n{i:03d}"
         reg.register(request(name, budget_mb=400))
-        reg.nodes[NodeId(name)].loaded = {(ModelId("m"), LayerSpan(10, 20))}
+        reg.nodes[NodeId(name)].earned = {(ModelId("m"), LayerSpan(10, 20))}
     directive = Directive("LOAD_SHARD", NodeId("new"), ModelId("m"), LayerSpan(10, 20), "a copy")
     first = [h.node_id for h in reg.holders(directive)]
     second = [h.node_id for h in reg.holders(directive)]

@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gzip
 import os
 import shutil
-from collections.abc import Iterator
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from meshnet.config import AccessConfig
 from meshnet.errors import RangeError, WeightsError
 from meshnet.http_errors import install_error_handlers
 from meshnet.models.gguf_file import read_gguf
 from meshnet.models.source import default_gguf
+from meshnet.observe.metrics import Metrics
 from meshnet.security.access import Credentials, Guard
 from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan
-from meshnet.weights.fetch import Fetcher, Holder
+from meshnet.weights.fetch import RANGE_BYTES, Fetcher, Holder
 from meshnet.weights.manifest import HEADER, Manifest, make_manifest, parse_manifest, verify
 from meshnet.weights.serve import (
     MAX_RANGE_BYTES,
@@ -226,7 +230,7 @@ def test_a_holder_sending_a_flipped_byte_is_reported_and_the_part_comes_from_ano
             WeightStore(tmp_path / "me"), [bad, holder], manifest.digest, reports=reports
         )
     verify(held.path, manifest, manifest.span_parts(SPAN, entry=False))
-    assert len(reports) == 1 and reports[0].startswith("node-liar: sent weights that fail")
+    assert len(reports) == 1 and reports[0].startswith("node-liar: weights answer refused")
 
 
 def test_a_fetch_cut_short_resumes_from_its_checked_parts(
@@ -347,3 +351,76 @@ def test_a_manifest_names_each_tensors_type_and_shape(manifest: Manifest) -> Non
     got = [(p.name, p.ggml_type, tuple(p.shape)) for p in manifest.parts[1:]]
     assert got == [(t.name, int(t.tensor_type), tuple(t.shape)) for t in index.tensors]
     assert manifest.parts[0].ggml_type is None and manifest.parts[0].shape == []
+
+
+def hostile_app(mode: str) -> Starlette:
+    """A member posing as a holder (review W1, W2): `gzip` answers 1 GiB of zeros in ~1 MB;
+    `trickle` sends a byte every 0.2 s; `long` sends more bytes than the range asked for."""
+    bomb = gzip.compress(bytes(1 << 30), compresslevel=1) if mode == "gzip" else b""
+
+    async def answer(request: object) -> Response:
+        if mode == "gzip":
+            return Response(bomb, headers={"Content-Encoding": "gzip"})
+        if mode == "long":
+            return Response(bytes(RANGE_BYTES + 1), status_code=206)
+
+        async def drip() -> AsyncIterator[bytes]:
+            while True:
+                yield b"\0"
+                await asyncio.sleep(0.2)
+
+        return StreamingResponse(drip(), status_code=206)
+
+    app = Starlette()
+    app.add_route("/v1/weights/{digest}/manifest", answer)
+    app.add_route("/v1/weights/{digest}/parts/{name}", answer)
+    return app
+
+
+@pytest.mark.parametrize("mode", ["gzip", "trickle", "long"])
+def test_a_hostile_holder_costs_at_most_a_range_and_a_deadline(
+    tmp_path: Path, manifest: Manifest, holder: Holder, mode: str
+) -> None:
+    """Answers are read as sent (never inflated), cut off past the range's length, and each
+    within the deadline in all: the part comes from the honest holder, the liar is left."""
+    with serving(hostile_app(mode)) as port:
+        liar = Holder("node-liar", f"http://127.0.0.1:{port}")
+        metrics = Metrics()
+        fetcher = Fetcher(
+            WeightStore(tmp_path),
+            [liar, holder],
+            signer=Signer(KEY),
+            timeout_s=1.0,
+            metrics=metrics,
+        )
+        parts = lambda m: m.span_parts(SPAN, entry=False)  # noqa: E731
+        tracemalloc.start()
+        started = time.monotonic()
+        try:
+            held = asyncio.run(fetcher.fetch(manifest.digest, parts))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert held.has(manifest.span_parts(SPAN, entry=False)) and "node-liar" in fetcher.left
+    assert peak < 8 * RANGE_BYTES  # the bomb's 1 GiB was never inflated
+    assert time.monotonic() - started < 10
+    why = {"gzip": "encoded", "trickle": "deadline", "long": "too_long"}[mode]
+    assert metrics.weights_refused.labels(why)._value.get() >= 1
+
+
+def test_a_fetch_that_makes_no_progress_fails_naming_its_holders(tmp_path: Path) -> None:
+    """Review W2: a load that fetches nothing for `stall_s` fails (the planner re-plans it)."""
+    from meshnet.node.weights import NodeWeights
+
+    weights = NodeWeights(WeightStore(tmp_path), "http://127.0.0.1:9", entry=False)
+    weights.stall_s = 0.3
+    fetcher = Fetcher(WeightStore(tmp_path), [Holder("node-x", "http://127.0.0.1:9")])
+
+    async def never() -> object:
+        await asyncio.sleep(30)
+        return None
+
+    started = time.monotonic()
+    with pytest.raises(WeightsError, match="no weight bytes came for 0 s from node-x"):
+        asyncio.run(weights._watched(fetcher, never()))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 3

@@ -243,7 +243,7 @@ class NodeAgent:
             self.interval_s = answer.heartbeat_interval_s
         if answer.term is not None:  # the planner has heard of our failures
             self.failed = []
-        self._apply(answer.directives, answer.term)
+        self._apply(answer.directives, answer.term, link.url)
 
     def _ping_peers(self) -> None:
         """Ping the peers that are due, in the background (a slow one must not hold the
@@ -277,9 +277,11 @@ class NodeAgent:
         self.interval_s = answer.heartbeat_interval_s
         link.registered, link.retry_s = True, 0.1
         log.info("registered with tracker %s as %s", link.url, answer.node_id)
-        self._apply(answer.directives, answer.term)
+        self._apply(answer.directives, answer.term, link.url)
 
-    def _apply(self, directives: list[msg.DirectiveMessage], term: int | None) -> None:
+    def _apply(
+        self, directives: list[msg.DirectiveMessage], term: int | None, tracker: str = ""
+    ) -> None:
         """Carry out a planner's directives; none from a tracker that does not plan (`term`
         None) or from a planner older than one we have heard from (a partition healing)."""
         if term is None or not self._fenced_in(term):
@@ -295,7 +297,7 @@ class NodeAgent:
                 self.on_drop(d.model, d.span)
                 self._keep_cache()  # what no span uses now may leave the cache
             elif key not in self.service.shards and key not in self.loading:
-                self.loading[key] = asyncio.create_task(self._load(d))
+                self.loading[key] = asyncio.create_task(self._load(d, tracker))
 
     def _fenced_in(self, term: int) -> bool:
         """Whether a planner of `term` may direct us: one of our highest term or above, or
@@ -309,10 +311,11 @@ class NodeAgent:
         log.warning("planner term %d is gone; taking directives of term %d", self.term, term)
         return True
 
-    async def _load(self, d: msg.DirectiveMessage) -> None:
+    async def _load(self, d: msg.DirectiveMessage, tracker: str = "") -> None:
+        """Load `d`'s span (`tracker`: the URL of the tracker that sent `d`)."""
         key = (d.model, d.span)
         try:
-            source = await self._source(d)
+            source = await self._source(d, tracker)
             runner = await asyncio.get_running_loop().run_in_executor(
                 self.service.scheduler.worker, self.loader, d.model, source, d.span
             )
@@ -332,14 +335,14 @@ class NodeAgent:
         finally:
             self.loading.pop(key, None)
 
-    async def _source(self, d: msg.DirectiveMessage) -> str:
+    async def _source(self, d: msg.DirectiveMessage, tracker: str) -> str:
         """What the loader reads for `d`: the weights this node holds or fetched (ADR-0054)."""
         if self.weights is None:
             check_source_kind(d.source, d.source_kind)  # before the loader: no download
             return d.source
         if d.digest is not None:
             self.digests[d.model] = d.digest
-        return await self.weights.obtain(d)
+        return await self.weights.obtain(d, tracker or None)
 
     def _keep_cache(self) -> None:
         if self.weights is not None:

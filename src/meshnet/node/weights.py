@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from meshnet.errors import WeightsError
 from meshnet.models.source import check_source_kind, default_gguf, source_kind
 from meshnet.observe.metrics import Metrics
 from meshnet.security.signing import Signer
@@ -23,11 +24,12 @@ from meshnet.tracker import messages as msg
 from meshnet.types import LayerSpan
 from meshnet.weights.fetch import Fetcher, Holder
 from meshnet.weights.manifest import Manifest, Part
-from meshnet.weights.store import WeightStore
+from meshnet.weights.store import HeldFile, WeightStore
 
 log = logging.getLogger(__name__)
 Report = Callable[[str, str], Awaitable[None]]  # (node id, why): a holder that sent bad bytes
 Key = tuple[str, LayerSpan]
+STALL_S = 45.0  # a fetch with no new byte this long fails (over one range's deadline, 30 s)
 
 
 def local_file(source: str) -> Path | None:
@@ -62,17 +64,19 @@ class NodeWeights:
         self.metrics = metrics
         self.report: Report | None = None
         self.fetches: dict[Key, Fetcher] = {}
+        self.stall_s = STALL_S
 
     def parts(self, manifest: Manifest, span: LayerSpan) -> list[Part]:
         return manifest.span_parts(span, entry=self.entry)
 
-    async def obtain(self, d: msg.DirectiveMessage) -> str:
+    async def obtain(self, d: msg.DirectiveMessage, tracker: str | None = None) -> str:
         """What to pass the loader for directive `d`'s span: a checked local file, the cache's
-        file once the span's parts are fetched, or (no digest) the source as named."""
+        file once the span's parts are fetched, or (no digest) the source as named.
+        `tracker`: the URL of the tracker that sent `d` (its manifest is the one taken)."""
         if d.digest is None:
             check_source_kind(d.source, d.source_kind)  # before the loader: no download
             return d.source
-        fetcher = self._fetcher(d)
+        fetcher = self._fetcher(d, Holder(TRACKER, tracker) if tracker else self.tracker)
         local = local_file(d.source)
         key = (d.model, d.span)
         self.fetches[key] = fetcher
@@ -83,15 +87,17 @@ class NodeWeights:
                 await asyncio.to_thread(self.store.check_local, local, manifest, parts)
                 return str(local)
             started = time.monotonic()
-            held = await fetcher.fetch(d.digest, lambda m: self.parts(m, d.span))
+            held = await self._watched(
+                fetcher, fetcher.fetch(d.digest, lambda m: self.parts(m, d.span))
+            )
             log.info("weights of %s %s here in %.1f s", d.model, d.span, time.monotonic() - started)
             self.store.touch(d.digest)
             return str(held.path)
         finally:
             self.fetches.pop(key, None)
 
-    def _fetcher(self, d: msg.DirectiveMessage) -> Fetcher:
-        holders = [Holder(h.node_id, h.address) for h in d.holders] + [self.tracker]
+    def _fetcher(self, d: msg.DirectiveMessage, tracker: Holder) -> Fetcher:
+        holders = [Holder(h.node_id, h.address) for h in d.holders] + [tracker]
         return Fetcher(
             self.store,
             holders,
@@ -99,7 +105,33 @@ class NodeWeights:
             verify=self.verify,
             metrics=self.metrics,
             report=self._report,
+            manifest_from=tracker,
         )
+
+    async def _watched(self, fetcher: Fetcher, fetch: Awaitable[HeldFile]) -> HeldFile:
+        """`fetch`'s file, or `WeightsError` once it has fetched nothing for `stall_s` (a
+        holder trickling bytes over several deadlines, or every holder stalled: review W2):
+        the load fails saying so, and the planner gives the span to another node."""
+        job = asyncio.ensure_future(fetch)
+        seen, since = -1, time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=min(1.0, self.stall_s / 4))
+            if done:
+                return job.result()
+            got = fetcher.progress.done_bytes if fetcher.progress is not None else 0
+            if got != seen:
+                seen, since = got, time.monotonic()
+            elif time.monotonic() - since > self.stall_s:
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+                if self.metrics is not None:
+                    self.metrics.weights_refused.labels("stalled").inc()
+                names = ", ".join(h.name for h in fetcher.holders)
+                raise WeightsError(
+                    f"no weight bytes came for {self.stall_s:.0f} s from {names}; "
+                    "giving the load up",
+                    field="holders",
+                )
 
     async def _report(self, holder: Holder, why: str) -> None:
         if self.report is not None and holder.name != TRACKER:

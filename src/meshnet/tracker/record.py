@@ -36,6 +36,9 @@ class NodeRecord:
     refused: set[ModelId] = field(default_factory=set)  # its copy differs from the offered one
     fetching: list[msg.FetchState] = field(default_factory=list)  # at its last heartbeat
     weights: frozenset[str] = frozenset()  # digests of models it holds parts of
+    # spans this tracker told it to load and it then reported loaded: the only ones it is
+    # named a weights holder for (what it registered with is a claim: review W1)
+    earned: set[Key] = field(default_factory=set)
 
     def view(self, by_digest: Mapping[str, ModelId] | None = None) -> NodeView:
         holdings = tuple(Holding(m, s, True) for m, s in sorted(self.loaded)) + tuple(

@@ -170,6 +170,7 @@ class Registry:
             changed = (loaded, assigned) != (record.loaded, record.assigned) or not (
                 failed <= record.failed
             )
+            record.earned = (record.earned | (loaded & record.assigned)) & loaded
             record.loaded, record.assigned = loaded, assigned
             record.failed |= failed
             record.refused |= {ModelId(f.shard.model) for f in beat.failed if f.refuses_model}
@@ -364,7 +365,8 @@ class Registry:
 
     def holders(self, directive: Directive) -> list[msg.WeightHolder]:
         """Whom the node told to load `directive`'s span may fetch its weights from: nodes
-        scanned from a turning start until `holders.SCAN` serve some of it (a big mesh)."""
+        scanned from a turning start until `holders.SCAN` serve some of it (a big mesh), of
+        the spans this tracker assigned them (`NodeRecord.earned`), never what they claim."""
         model, now, records = directive.model, self.clock(), list(self.nodes.items())
         if model not in self.digests:
             return []
@@ -374,6 +376,6 @@ class Registry:
                 n, r.request.address, spans, r.sessions + r.queue_depth, r.reports.agreed(now)
             )
             for n, r in records[self._turn :] + records[: self._turn]
-            if n != directive.node_id and (spans := frozenset(s for m, s in r.loaded if m == model))
+            if n != directive.node_id and (spans := frozenset(s for m, s in r.earned if m == model))
         )
         return holders(directive.span, candidates)

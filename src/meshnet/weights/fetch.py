@@ -5,6 +5,11 @@ order the tracker gave), in `RANGE_BYTES` ranges written straight to the cache f
 as they come. A part whose hash is wrong is fetched again from another holder and its sender
 reported; a holder that fails or stalls is left for the rest of the fetch. Parts already in
 the cache's record are not fetched again, so a fetch cut short resumes where it stopped.
+
+Holders are members, not trusted with this node's memory or time (review W1, W2): answers are
+read as the hop path reads frames, unencoded (`Accept-Encoding: identity`; an encoded answer
+is refused), streamed and cut off past the length asked for, each within `deadline_s`, and
+their signature checked over what was read.
 """
 
 from __future__ import annotations
@@ -19,17 +24,18 @@ from urllib.parse import quote
 
 import httpx
 
-from meshnet.errors import WeightsError
+from meshnet.errors import AuthError, WeightsError
 from meshnet.observe.metrics import Metrics
 from meshnet.observe.progress import Task, progress
-from meshnet.security.signing import Signer
+from meshnet.security.signing import AnswerNotSigned, Signer
 from meshnet.weights.manifest import Manifest, Part, parse_manifest
 from meshnet.weights.store import HeldFile, WeightStore
 
 log = logging.getLogger(__name__)
 RANGE_BYTES = 4 << 20  # one call's bytes
 WORKERS = 4  # parts fetched at once (from different holders where there are several)
-CALL_TIMEOUT_S = 30.0  # a holder silent this long on one range is left for this fetch
+CALL_TIMEOUT_S = 30.0  # a holder that has not sent one range (or a manifest) in this is left
+MAX_MANIFEST_BYTES = 64 << 20  # ~100,000 parts at ~300 bytes of JSON each, with room
 SYNC_BYTES = 64 << 20  # checked parts are synced and recorded together, this many bytes at most
 
 
@@ -74,7 +80,10 @@ class Fetcher:
         metrics: Metrics | None = None,
         report: Report | None = None,
         timeout_s: float = CALL_TIMEOUT_S,
+        manifest_from: Holder | None = None,
     ) -> None:
+        """`manifest_from`: the one member asked for manifests (the tracker that sent the
+        directive); None: every holder in turn."""
         if not holders:
             raise WeightsError("no member holds these weights", field="holders")
         self.store = store
@@ -84,6 +93,7 @@ class Fetcher:
         self.metrics = metrics
         self.report = report
         self.timeout_s = timeout_s
+        self.manifest_from = manifest_from
         self.left: set[str] = set()  # holders that failed or stalled during this fetch
         self.progress: FetchProgress | None = None
         self.checked: list[Part] = []  # hashed and written, not yet synced and recorded
@@ -102,12 +112,15 @@ class Fetcher:
     async def manifest(self, client: httpx.AsyncClient, digest: str) -> Manifest:
         """The manifest `digest` names, from the first holder that gives the right one."""
         errors = []
-        for holder in self.holders:
+        for holder in [self.manifest_from] if self.manifest_from else self.holders:
             try:
-                response = await self._get(client, holder, f"/v1/weights/{digest}/manifest")
-                response.raise_for_status()
-                return parse_manifest(response.content, digest)
-            except (httpx.HTTPError, WeightsError) as exc:
+                status, body = await self._get(
+                    client, holder, f"/v1/weights/{digest}/manifest", MAX_MANIFEST_BYTES
+                )
+                if status != 200:
+                    raise _Refused(f"answered HTTP {status}")
+                return parse_manifest(body, digest)
+            except (httpx.HTTPError, WeightsError, _Refused, _BadBytes) as exc:
                 errors.append(f"{holder.name}: {exc}")
         raise WeightsError(f"no holder gave model {digest[:16]}...'s manifest: {'; '.join(errors)}")
 
@@ -174,15 +187,12 @@ class Fetcher:
                 return
             except _BadBytes as exc:
                 errors.append(f"{holder.name}: {exc}")
-                log.warning(
-                    "%s sent part %s that fails its hash; fetching it elsewhere",
-                    holder.name,
-                    part.name,
-                )
+                log.warning("%s: %s (part %s); fetching it elsewhere", holder.name, exc, part.name)
+                self._refused(exc.why)
                 reported = holder.name in self.left  # by another worker, at the same time
                 self.left.add(holder.name)
                 if self.report is not None and not reported:
-                    await self.report(holder, f"sent weights that fail their hash ({part.name})")
+                    await self.report(holder, f"weights answer refused: {exc} ({part.name})")
             except (httpx.HTTPError, _Refused) as exc:
                 errors.append(f"{holder.name}: {exc or type(exc).__name__}")
                 if not isinstance(exc, _Refused) and holder.name not in self.left:
@@ -200,11 +210,12 @@ class Fetcher:
         target = f"/v1/weights/{held.manifest.digest}/parts/{quote(part.name, safe='')}"
         while got < part.nbytes:  # an empty part has nothing to fetch
             end = min(part.nbytes, got + RANGE_BYTES)
-            response = await self._get(client, holder, target, {"Range": f"bytes={got}-{end - 1}"})
-            if response.status_code == 404:
+            ask = {"Range": f"bytes={got}-{end - 1}"}
+            status, data = await self._get(client, holder, target, end - got, ask)
+            if status == 404:
                 raise _Refused(f"does not hold {part.name}")
-            response.raise_for_status()
-            data = response.content
+            if status not in (200, 206):
+                raise _Refused(f"answered HTTP {status}")
             if len(data) != end - got:
                 raise _BadBytes(f"sent {len(data)} bytes for a range of {end - got}")
             digest.update(data)
@@ -229,15 +240,65 @@ class Fetcher:
         client: httpx.AsyncClient,
         holder: Holder,
         target: str,
+        limit_bytes: int,
         headers: dict[str, str] | None = None,
-    ) -> httpx.Response:
-        auth = self.signer.auth(holder.name)
+    ) -> tuple[int, bytes]:
+        """The status and body of a GET of `target` from `holder`: unencoded, at most
+        `limit_bytes`, within `timeout_s` in all, a 2xx answer signed by the holder
+        (`_BadBytes` otherwise; `httpx.TimeoutException` past the deadline)."""
         url = holder.address.rstrip("/") + target
-        return await client.get(url, headers=headers, auth=auth or httpx.USE_CLIENT_DEFAULT)
+        asked = {"Accept-Encoding": "identity", **(headers or {})}
+        request = client.build_request("GET", url, headers=asked)
+        auth = self.signer.auth(holder.name, answers=False) or httpx.USE_CLIENT_DEFAULT
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await client.send(request, auth=auth, stream=True)
+                try:
+                    body = await _capped(response, limit_bytes)
+                finally:
+                    await response.aclose()
+        except TimeoutError:
+            self._refused("deadline")
+            raise httpx.ReadTimeout(
+                f"no whole answer in {self.timeout_s:.0f} s", request=request
+            ) from None
+        try:
+            self.signer.check_answer(
+                request.headers, response.status_code, response.headers.multi_items(), body
+            )
+        except AuthError as exc:  # left, not reported: anyone on the path could do this
+            raise AnswerNotSigned(f"{url}: {exc.message}", request=request) from None
+        return response.status_code, body
+
+    def _refused(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.weights_refused.labels(why).inc()
+
+
+async def _capped(response: httpx.Response, limit_bytes: int) -> bytes:
+    """`response`'s body as sent, refused when encoded or longer than `limit_bytes`: nothing
+    is inflated, and no more than the limit is ever held."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _BadBytes(f"sent a {encoding!r}-encoded answer (identity was asked for)", "encoded")
+    declared = response.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit_bytes):
+        raise _BadBytes(f"announced {declared[:20]} bytes; at most {limit_bytes} fit", "too_long")
+    chunks, got = [], 0
+    async for chunk in response.aiter_raw():
+        got += len(chunk)
+        if got > limit_bytes:
+            raise _BadBytes(f"sent more than the {limit_bytes} bytes asked for", "too_long")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _BadBytes(Exception):
-    """A holder's bytes are not the part's."""
+    """A holder's bytes are not the part's (`why`: the metric's label)."""
+
+    def __init__(self, message: str, why: str = "hash") -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class _Refused(Exception):
