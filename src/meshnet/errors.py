@@ -266,6 +266,12 @@ class RangeError(WeightsError):
     http_status = 416
 
 
+class WeightsBusyError(WeightsError):
+    """A holder already sends as many weight bytes as it allows at once (503: try later)."""
+
+    http_status = 503
+
+
 class CopyDiffersError(WeightsError):
     """A member's own copy of a model differs from the offered one (the part named): it
     serves no span of that model."""

@@ -424,3 +424,40 @@ def test_a_fetch_that_makes_no_progress_fails_naming_its_holders(tmp_path: Path)
     with pytest.raises(WeightsError, match="no weight bytes came for 0 s from node-x"):
         asyncio.run(weights._watched(fetcher, never()))  # type: ignore[arg-type]
     assert time.monotonic() - started < 3
+
+
+def test_ranges_asked_and_never_read_hold_at_most_the_budget_then_503(
+    tmp_path: Path, manifest: Manifest
+) -> None:
+    """Review W3: 256 ranges asked and never read took a tracker to 4.4 GiB. The bytes being
+    answered count against a budget per address (503 beyond) and come back when the asker
+    goes; the answer goes out in pieces, so a reader of nothing holds up one piece."""
+    from meshnet.weights import serve
+
+    store = WeightStore(tmp_path)
+    store.offer_file(default_gguf(), manifest)
+    server = WeightServer(store)
+    app = Starlette(middleware=[_guard(KEY, "tracker")])
+    install_error_handlers(app)
+    add_weight_routes(app, server)
+    target = f"/v1/weights/{manifest.digest}/parts/token_embd.weight"
+    ask = {"Range": f"bytes=0-{serve.MAX_RANGE_BYTES - 1}"}
+    with serving(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        held = []
+        for _ in range(serve.PEER_IN_FLIGHT_BYTES // serve.MAX_RANGE_BYTES):
+            call = client.build_request("GET", target, headers=ask)
+            held.append(
+                client.send(call, auth=Signer(KEY).auth("tracker", answers=False), stream=True)
+            )
+        assert all(r.status_code == 206 for r in held)
+        assert server.total == serve.PEER_IN_FLIGHT_BYTES  # still being answered
+        busy = client.get(target, headers=ask, auth=Signer(KEY).auth("tracker"))
+        assert busy.status_code == 503 and busy.json()["error"]["field"] == "Range"
+        for response in held:
+            response.close()
+        deadline = time.monotonic() + 5
+        while server.total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.total == 0 and not server.in_flight
+        again = client.get(target, headers=ask, auth=Signer(KEY).auth("tracker"))
+        assert again.status_code == 206 and len(again.content) == serve.MAX_RANGE_BYTES
