@@ -4,6 +4,7 @@ naming its limit, and none leaves a session or a slot behind."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 
@@ -17,18 +18,30 @@ from meshnet.config import AccessConfig, ApiLimits
 from meshnet.errors import LimitError
 from meshnet.security.limits import ClientLimiter
 from meshnet.security.signing import Signer
+from meshnet.security.vouch import TrackerIdentity, TrackerKeys
 from tests.conftest import run
 from tests.entry.fakes import fake_mesh
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
 
+TRACKER = TrackerIdentity()  # the tracker the entries of these tests registered with
+
+
 def make(limits: ApiLimits = ApiLimits(), access: AccessConfig = AccessConfig()) -> FastAPI:
     generator, _, runners = fake_mesh()
     limiter = ClientLimiter(limits)
     names = frozenset({"entry-1"})  # members address their proofs to it
+    keys = TrackerKeys()
+    keys.add(TRACKER.public)
     app = create_app(
-        {"fake": generator}, 8, limits=limits, access=access, limiter=limiter, names=names
+        {"fake": generator},
+        8,
+        limits=limits,
+        access=access,
+        limiter=limiter,
+        names=names,
+        trackers=keys,
     )
     app.state.runners, app.state.limiter = runners, limiter
     app.state.generator = generator
@@ -254,10 +267,21 @@ def test_answers_count_against_the_servers_limit_too() -> None:
 SWARM = "api-limits-swarm-key-padded-to-128-bits-0123456789"
 
 
-def forwarded(app: FastAPI, client: str, signer: Signer | None) -> httpx.Response:
-    """A call as a tracker forwards it: no API key, the client it let in named."""
+def forwarded(
+    app: FastAPI,
+    client: str,
+    signer: Signer | None,
+    vouch: TrackerIdentity | None = TRACKER,
+    to: str = "entry-1",
+    vouched_body: bytes | None = None,
+) -> httpx.Response:
+    """A call as a tracker forwards it: no API key, the client it let in named, and (with
+    `vouch`) that tracker's vouch for the client, entry `to` and the body (or another)."""
     body = json.dumps(CHAT).encode()
     headers = {"Content-Type": "application/json", "X-Meshnet-Client": client}
+    if vouch is not None:
+        digest = hashlib.sha256(vouched_body or body).hexdigest()
+        headers["X-Meshnet-Vouch"] = vouch.vouch(client, to, digest)
     if signer is not None:
         headers |= signer.headers(
             "POST", "/v1/chat/completions", body, to="entry-1", headers=headers
@@ -277,6 +301,26 @@ def test_a_tracker_forwards_a_member_signed_call_limited_as_the_client_it_names(
     assert forwarded(app, "key:ba9876543210", Signer(SWARM)).status_code == 200  # another
     unsigned = forwarded(app, "key:0123456789ab", None)  # naming a client is no credential
     assert unsigned.status_code == 401
+
+
+def test_a_member_naming_a_client_without_a_trackers_vouch_is_counted_as_itself() -> None:
+    """Review P1: every member holds the swarm key, so a member-signed call naming a client
+    is that client's only with a vouch of a tracker this entry registered with, for this
+    entry and this body; else it is the member's own (`swarm`): not the client's scope."""
+    access = AccessConfig(swarm_key=SWARM, api_keys=("client-key-0001",))
+    app = make(ApiLimits(max_concurrent_per_client=1), access)
+    app.state.limiter.acquire("via-key:0123456789ab")  # the victim has one in flight
+    victim = "key:0123456789ab"
+    assert forwarded(app, victim, Signer(SWARM)).status_code == 429  # vouched: its limits
+    cases = {
+        "no vouch": dict(vouch=None),
+        "a member's own key pair": dict(vouch=TrackerIdentity()),
+        "vouched for another entry": dict(to="entry-2"),
+        "vouched for another body": dict(vouched_body=b'{"model": "fake"}'),
+    }
+    for name, kw in cases.items():
+        call = forwarded(app, victim, Signer(SWARM), **kw)  # type: ignore[arg-type]
+        assert call.status_code == 200, name  # not the victim's limit: the member's own
 
 
 def test_without_a_swarm_key_a_proof_header_opens_no_api() -> None:

@@ -71,8 +71,10 @@ def test_a_five_turn_conversation_reuses_its_history_and_answers_the_same(mesh: 
         assert cached == fresh, (question, cached, fresh)
         reused.append(tokens)
         messages.append({"role": "assistant", "content": cached})
-    assert reused[0] == 0 and all(r > 64 for r in reused[1:]), reused
-    assert all(b > a for a, b in zip(reused[1:], reused[2:], strict=False)), reused
+    assert reused[0] == 0 and all(r >= 64 for r in reused[1:]), reused
+    # in whole blocks (review P1): a short turn may add no block
+    assert all(b >= a for a, b in zip(reused[1:], reused[2:], strict=False)), reused
+    assert reused[-1] > reused[1], reused
     assert prefix_hits(mesh) >= hits + 2 * (len(QUESTIONS) - 1)  # both remote hops, each turn
 
 
@@ -114,7 +116,8 @@ def test_a_prompt_diverging_inside_a_block_reuses_exactly_the_common_tokens(
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert common % 64 != 0  # inside a block
     assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
-    assert answer.usage.prompt_tokens_details.cached_tokens == common
+    # said in whole blocks (review P1): the exact count is an oracle of where prompts part
+    assert answer.usage.prompt_tokens_details.cached_tokens == common // 64 * 64
 
 
 def test_a_hop_killed_between_turns_is_replaced_and_the_answer_is_the_same(mesh: Mesh) -> None:

@@ -162,4 +162,4 @@ def test_drafted_turns_that_reuse_the_conversation_equal_fresh_ones(
         reused.append(cached.cached_tokens)
         assert cached.drafted_tokens > 0
         messages.append({"role": "assistant", "content": codec.decode(cached.token_ids)})
-    assert reused[0] == 0 and all(r > 64 for r in reused[1:]), reused
+    assert reused[0] == 0 and all(r >= 64 for r in reused[1:]), reused  # whole blocks

@@ -25,6 +25,7 @@ from meshnet.errors import RequestError, UnknownModelError
 from meshnet.http_errors import install_error_handlers
 from meshnet.security.access import Credentials, Guard, Rule, client_of, rule
 from meshnet.security.limits import ClientLimiter
+from meshnet.security.vouch import TrackerKeys
 from meshnet.text.codec import TextCodec
 from meshnet.text.events import Event
 from meshnet.text.params import GenerationParams
@@ -69,15 +70,18 @@ def create_app(
     extra_rules: Sequence[Rule] = (),
     guarded: bool = True,
     names: frozenset[str] = frozenset(),
+    trackers: TrackerKeys | None = None,
 ) -> FastAPI:
     """A FastAPI app serving the API, behind its access guard unless not `guarded` (a node
     mounting it checks access itself, with `access_rules` among its own); `names`: who it
-    is to members (their proofs must be addressed to one)."""
+    is to members (their proofs must be addressed to one); `trackers`: whose vouch makes a
+    member's call a forwarded client's."""
     app = FastAPI(title="meshnet API", version=__version__)
     install_error_handlers(app)
     if guarded:
         rules = [*access_rules(limits, access.swarm_key is not None), *extra_rules]
-        app.add_middleware(Guard, rules=rules, credentials=Credentials(access, names))
+        credentials = Credentials(access, names, trackers=trackers)
+        app.add_middleware(Guard, rules=rules, credentials=credentials)
     app.include_router(api_router(generators, default_max_tokens, limits, limiter))
     return app
 

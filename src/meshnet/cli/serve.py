@@ -222,7 +222,9 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         choices=["client", "all", "off"],
         default=entry.prefix_sharing,
         help="a finished request's caches stay on its hops and later prompts starting with the "
-        "same tokens reuse them (ADR-0058): within one client (API key), among all, or off",
+        "same tokens reuse them (ADR-0058): within one client (API key), among all, or off; "
+        "with all, any client can learn, block by block, how other clients' prompts begin "
+        "(cached_tokens and the time to the first token say how much was reused)",
     )
     group.add_argument(
         "--spot-check-ban",

@@ -23,7 +23,7 @@ import torch
 from meshnet.entry.drafter import Drafter, LookupDrafter
 from meshnet.entry.grammar import Grammar
 from meshnet.entry.pipeline import Pipeline
-from meshnet.entry.prefixes import scope_of
+from meshnet.entry.prefixes import BLOCK_TOKENS, scope_of
 from meshnet.entry.session import PipelineSession
 from meshnet.entry.speculation import Rounds
 from meshnet.errors import RequestError
@@ -160,7 +160,9 @@ class Generator:
 
         firsts = await self.pipeline.prefill(sessions[0], prompt, pick, scope)
         sessions.extend(self.pipeline.fork(sessions[0]) for _ in firsts[1:])
-        cached = sessions[0].reused  # prompt tokens a kept prefix held (0 after a miss)
+        # prompt tokens a kept prefix held (0 after a miss), said in whole blocks: the exact
+        # count told a caller in the same scope where another's prompt diverged (review P1)
+        cached = sessions[0].reused // BLOCK_TOKENS * BLOCK_TOKENS
         answers = [
             self._answer(session, r, first, (len(prompt), cached), params, started, index)
             for index, (session, r, first) in enumerate(zip(sessions, rounds, firsts, strict=True))

@@ -8,6 +8,7 @@ reader parses the same layout (little-endian GGUF v2/v3) with `struct` over a me
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Sequence
@@ -109,18 +110,45 @@ class StringArray(Sequence[str]):
     __hash__ = None  # type: ignore[assignment]
 
 
+MAX_ARRAY_ITEMS = 4 << 20  # numbers in one array field (a vocabulary has ~262,144 at most)
+MAX_DEPTH = 4  # arrays of arrays, at most this deep
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+
+
 class _Cursor:
+    """Reads a GGUF header front to back; anything that does not fit the file (a length,
+    a count, a nesting) is a `ModelError` naming the field being read (review G1)."""
+
     def __init__(self, buffer: memoryview) -> None:
         self.buffer = buffer
         self.offset = 0
+        self.at = "the header"  # the field being read, for refusals
+
+    def need(self, nbytes: int) -> None:
+        if nbytes < 0 or self.offset + nbytes > len(self.buffer):
+            raise ModelError(
+                f"{self.at} needs {nbytes} bytes at byte {self.offset}; the file has "
+                f"{len(self.buffer)}",
+                field=self.at,
+            )
 
     def take(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        self.need(size)
         value = struct.unpack_from("<" + fmt, self.buffer, self.offset)[0]
-        self.offset += struct.calcsize("<" + fmt)
+        self.offset += size
         return value
 
+    def count(self, what: str, item_bytes: int) -> int:
+        """A u64 count of items of at least `item_bytes` each, refused when the rest of the
+        file cannot hold them (no huge allocation on a header's word)."""
+        n = self.take("Q")
+        if n * item_bytes > len(self.buffer) - self.offset:
+            raise ModelError(f"{self.at}: {n} {what} cannot fit in the file", field=self.at)
+        return int(n)
+
     def string(self) -> str:
-        length = self.take("Q")
+        length = self.count("string bytes", 1)
         raw = bytes(self.buffer[self.offset : self.offset + length])
         self.offset += length
         return raw.decode("utf-8", errors="replace")
@@ -130,27 +158,37 @@ class _Cursor:
         starts = np.empty(count + 1, dtype=np.int64)
         for i in range(count):
             starts[i] = self.offset
-            self.offset += 8 + struct.unpack_from("<Q", self.buffer, self.offset)[0]
+            length = self.count("string bytes", 1)  # (moves past the length first)
+            self.offset += length
         starts[count] = self.offset
         return StringArray(self.buffer, starts)
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            item, count = self.take("I"), self.take("Q")
-            if item in _SCALARS and item != 7:  # numeric arrays in one go
-                values = np.frombuffer(
-                    self.buffer, np.dtype("<" + _SCALARS[item]), count, self.offset
+            return self.array(depth)
+        raise ModelError(f"{self.at}: unknown GGUF value type {kind}", field=self.at)
+
+    def array(self, depth: int) -> Any:
+        if depth >= MAX_DEPTH:
+            raise ModelError(f"{self.at}: arrays nested over {MAX_DEPTH} deep", field=self.at)
+        item = self.take("I")
+        if item in _SCALARS:  # numbers in one go
+            dtype = np.dtype("<" + _SCALARS[item])
+            count = self.count("numbers", dtype.itemsize)
+            if count > MAX_ARRAY_ITEMS:
+                raise ModelError(
+                    f"{self.at}: {count} numbers, more than {MAX_ARRAY_ITEMS}", field=self.at
                 )
-                self.offset += values.nbytes
-                return values.tolist()
-            if item == _STRING:
-                return self.strings(count)
-            return [self.value(item) for _ in range(count)]
-        raise ModelError(f"unknown GGUF value type {kind}")
+            values = np.frombuffer(self.buffer, dtype, count, self.offset)
+            self.offset += values.nbytes
+            return values.tolist()
+        if item == _STRING:
+            return self.strings(self.count("strings", 8))
+        return [self.value(item, depth + 1) for _ in range(self.count("values", 4))]
 
 
 @lru_cache(maxsize=4)
@@ -162,20 +200,16 @@ def read_gguf(path: Path) -> GgufFile:
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     cursor = _Cursor(memoryview(mapped))
-    magic, version = cursor.take("4s"), cursor.take("I")
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ModelError(f"{path.name} is not a little-endian GGUF v2/v3 file")
-    tensor_count, kv_count = cursor.take("Q"), cursor.take("Q")
-    fields = {}
-    for _ in range(kv_count):
-        key = cursor.string()
-        fields[key] = cursor.value(cursor.take("I"))
-    infos = []
-    for _ in range(tensor_count):
-        name, dims = cursor.string(), cursor.take("I")
-        shape = tuple(cursor.take("Q") for _ in range(dims))
-        infos.append((name, shape, cursor.take("I"), cursor.take("Q")))
-    alignment = int(fields.get("general.alignment", 32))
+    try:
+        fields, infos = _header(cursor, path)
+    except ModelError as exc:
+        raise ModelError(f"{path.name}: {exc.message}", field=exc.field) from None
+    alignment = fields.get("general.alignment", 32)
+    if not isinstance(alignment, int) or not 0 < alignment <= 1 << 20:
+        raise ModelError(
+            f"{path.name}: general.alignment {alignment!r} is not 1 to 1 MiB",
+            field="general.alignment",
+        )
     start = -(-cursor.offset // alignment) * alignment
     tensors = []
     for name, shape, kind, offset in infos:
@@ -184,9 +218,10 @@ def read_gguf(path: Path) -> GgufFile:
         except ValueError:
             raise ModelError(
                 f"{path.name}: tensor {name!r} has GGML type {kind}, unknown to meshnet's gguf "
-                f"reader (a newer llama.cpp format?)"
+                f"reader (a newer llama.cpp format?)",
+                field=name[:80],
             ) from None
-        count, dims = int(np.prod(shape)), tuple(reversed(shape))
+        count, dims = math.prod(shape), tuple(reversed(shape))  # Python ints: no wrap
         if kind in _PLAIN_DTYPES:
             dtype = np.dtype(_PLAIN_DTYPES[kind])
         else:
@@ -197,14 +232,45 @@ def read_gguf(path: Path) -> GgufFile:
                 quant_shape_to_byte_shape(dims, qtype),
             )
         end = start + offset + count * dtype.itemsize
-        if end > len(mapped):
+        if end > len(mapped) or count == 0:
             raise ModelError(
-                f"{path.name} is truncated: tensor {name!r} ends at byte {end}, the file has "
-                f"{len(mapped)}"
+                f"{path.name} is truncated: tensor {name[:80]!r} ends at byte {end}, the file "
+                f"has {len(mapped)}",
+                field=name[:80],
             )
         data = np.frombuffer(mapped, dtype, count, start + offset).reshape(dims)
         tensors.append(GgufTensor(name, qtype, shape, data, start + offset))
     return GgufFile(fields, tensors, mapped, start)
+
+
+def _header(cursor: _Cursor, path: Path) -> tuple[dict[str, Any], list[Any]]:
+    """The fields and the tensor infos (name, shape, type, offset) of a GGUF header."""
+    magic, version = cursor.take("4s"), cursor.take("I")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ModelError("not a little-endian GGUF v2/v3 file", field="magic")
+    cursor.at = "tensor_count"
+    tensor_count = cursor.count("tensors", 24)
+    cursor.at = "kv_count"
+    kv_count = cursor.count("fields", 12)
+    fields: dict[str, Any] = {}
+    for i in range(kv_count):
+        cursor.at = f"field {i}'s key"
+        key = cursor.string()
+        cursor.at = key[:80]
+        fields[key] = cursor.value(cursor.take("I"))
+    infos, names = [], set()
+    for i in range(tensor_count):
+        cursor.at = f"tensor {i}'s name"
+        name = cursor.string()
+        cursor.at = f"tensor {name[:80]!r}"
+        dims = cursor.take("I")
+        if not 1 <= dims <= MAX_DIMS or name in names:
+            why = "a second time" if name in names else f"with {dims} dimensions"
+            raise ModelError(f"{cursor.at} is listed {why}", field=cursor.at)
+        names.add(name)
+        shape = tuple(cursor.take("Q") for _ in range(dims))
+        infos.append((name, shape, cursor.take("I"), cursor.take("Q")))
+    return fields, infos
 
 
 def check_readable(path: Path) -> None:

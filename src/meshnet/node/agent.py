@@ -272,6 +272,7 @@ class NodeAgent:
         )
         _check(response, "registration")
         answer = msg.RegisterResponse.model_validate(response.json())
+        self.service.tracker_keys.add(answer.tracker_key)  # from its own address: trusted
         if answer.token != self.membership.token:
             self.membership.renew(answer.token)
         self.interval_s = answer.heartbeat_interval_s

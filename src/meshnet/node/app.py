@@ -44,6 +44,7 @@ from meshnet.security.access import Credentials, Guard, Rule, rule
 from meshnet.security.ownership import PROOF, check_close, check_frame
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, challenge_proof
+from meshnet.security.vouch import TrackerKeys
 from meshnet.tracker import messages as msg
 from meshnet.types import SessionId, is_valid_id
 from meshnet.weights.serve import WeightServer, add_weight_routes, weight_rules
@@ -110,6 +111,7 @@ class NodeService:
         threads: ComputeThreads | None = None,
     ) -> None:
         self.shards = ShardTable(list(runners))
+        self.tracker_keys = TrackerKeys()  # of the trackers it registered with (ADR-0059)
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(
             turns, max_batch, self.metrics.decode_batch_rows.observe, max_batch_tokens, threads
@@ -320,7 +322,7 @@ def create_app(
     """
     service = service or NodeService([runner] if runner else [], limits, wire)
     rules = [*access_rules(limits), *weight_rules(), *api_rules]
-    credentials = Credentials(access, frozenset({service.node_id}))
+    credentials = Credentials(access, frozenset({service.node_id}), trackers=service.tracker_keys)
     guard = Middleware(Guard, rules=rules, credentials=credentials)
     if access.swarm_key:
         service.swarm_key = SwarmKey.from_text(access.swarm_key)

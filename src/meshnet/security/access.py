@@ -30,6 +30,7 @@ from meshnet.http_errors import error_response
 from meshnet.security.body import BodyLimits, InFlight, read_body
 from meshnet.security.swarm import ANSWER_HEADER, HEADER, Proof, SwarmKey, Verifier, answer_mac
 from meshnet.security.throttle import RefusalThrottle
+from meshnet.security.vouch import VOUCH_HEADER, TrackerKeys, client_statement
 
 CLIENT_KEY = "meshnet.client"  # scope key: "swarm", "key:<fingerprint>" or "ip:<address>"
 KiB = 1 << 10
@@ -188,10 +189,14 @@ class Credentials:
         access: AccessConfig,
         names: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.time,
+        trackers: TrackerKeys | None = None,
     ) -> None:
         """`names`: who this process is to members (its node id, `tracker`): a proof must be
-        addressed to one of them."""
+        addressed to one of them. `trackers`: the keys of the trackers whose vouch makes a
+        member's call a forwarded client's (none: no call is)."""
         self.access = access
+        self.names = names
+        self.trackers = trackers
         key = SwarmKey.from_text(access.swarm_key) if access.swarm_key else None
         self.verifier = Verifier(key, clock, names, access.max_clock_skew_s) if key else None
         self.api_keys = {hashlib.sha256(k.encode()).digest(): key_tag(k) for k in access.api_keys}
@@ -207,6 +212,20 @@ class Credentials:
         if "swarm" in needs and ("client" not in needs or unchecked or proof):
             return self._swarm(scope, headers)
         return Settled(self._client(scope, headers))
+
+    def forwarded(self, headers: dict[str, str], body_sha256: str) -> str:
+        """Whom a member's call on a client route is for: the client in `X-Meshnet-Client`
+        when a known tracker vouches for it, this entry and this body (review P1); else the
+        member itself (`swarm`), whatever client it names."""
+        named = forwarded_client(headers)
+        if named is None or self.trackers is None:
+            return "swarm"
+        value = headers["x-meshnet-client"].strip()
+        vouch = headers.get(VOUCH_HEADER.lower())
+        for to in self.names:
+            if self.trackers.vouched(vouch, client_statement(value, to, body_sha256)):
+                return named
+        return "swarm"
 
     def _swarm(self, scope: Scope, headers: dict[str, str]) -> Admission:
         if self.verifier is None:
@@ -297,8 +316,8 @@ class Guard:
             self.in_flight.give(len(body.data))
             await error_response(exc)(scope, receive, send)
             return
-        if client == "swarm" and "client" in found.needs:  # a client a tracker let in
-            client = forwarded_client(headers) or client
+        if client == "swarm" and "client" in found.needs:  # a client a tracker let in?
+            client = self.credentials.forwarded(headers, body.sha256)
         try:
             scope = {**scope, CLIENT_KEY: client}
             await self.app(scope, replay_body(body.data, receive), admission.answers(send))
@@ -334,8 +353,9 @@ _FORWARDED_RE = re.compile(r"^(key|ip):[A-Za-z0-9.:\[\]_-]{1,64}$")
 
 
 def forwarded_client(headers: dict[str, str]) -> str | None:
-    """The client a member-signed call is made for (`X-Meshnet-Client`, bound by the proof):
-    its limits are that client's. None when absent or not a client identity."""
+    """The client a member-signed call names (`X-Meshnet-Client`), as this entry counts it
+    (limits, prefix scope) once a tracker vouches for it (`Credentials.forwarded`). None when
+    absent or not a client identity."""
     value = headers.get("x-meshnet-client", "").strip()
     return f"via-{value}" if _FORWARDED_RE.match(value) else None
 

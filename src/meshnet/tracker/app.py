@@ -114,6 +114,7 @@ def create_app(
             directives=[registry.to_message(d) for d in directives],
             token=token,
             term=registry.term(),
+            tracker_key=registry.identity.public,
         )
 
     @app.post("/v1/nodes/heartbeat")

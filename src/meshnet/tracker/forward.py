@@ -7,8 +7,10 @@ reached, or answers 5xx, before the first byte is reported and the next entry is
 stream that breaks mid-way ends with an error event, not a hang.
 
 The tracker's own guard checked the client's API key; the entry gets a member-signed call
-that names the client (`X-Meshnet-Client`, for its per-client limits) and never the key
-itself (review N4: a member that registered as an entry collected clients' Bearer keys).
+that names the client (`X-Meshnet-Client`, for its per-client limits and prefix scope) and
+never the key itself (review N4: a member that registered as an entry collected clients'
+Bearer keys), with the tracker's vouch for that client, entry and body (`security/vouch.py`:
+a member naming the client is not believed: review P1).
 Entries are taken in the order of the calls this tracker has in flight to each, ties at
 random: what the tracker measured, not what an entry says of its own load (N4: a member
 reporting 0 sessions got every call).
@@ -17,6 +19,7 @@ reporting 0 sessions got every call).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import random
@@ -30,6 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from meshnet.errors import RequestError, RouteError
 from meshnet.security.access import client_of
 from meshnet.security.signing import Signer
+from meshnet.security.vouch import VOUCH_HEADER
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
@@ -72,11 +76,14 @@ class EntryForwarder:
         ]
         if not listed:
             raise NoEntryError(self._why_none(model), field="model")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
-        headers[CLIENT_HEADER] = client_of(request.scope)
+        passed = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        client, digest = client_of(request.scope), hashlib.sha256(body).hexdigest()
+        passed[CLIENT_HEADER] = client
         error: Exception | None = None
         for entry in self._order(listed)[:MAX_TRIES]:
             path = request.url.path
+            vouch = self.registry.identity.vouch(client, entry.node_id, digest)
+            headers = passed | {VOUCH_HEADER: vouch}  # only a tracker can (review P1)
             signed = headers | self.signer.headers(
                 "POST", path, body, to=entry.node_id, headers=headers
             )

@@ -139,6 +139,8 @@ class RegisterResponse(Message):
     token: str = ""  # its membership token: heartbeats, leave and reports must carry it
     # the planner's term of these directives (ADR-0057); None: this tracker does not plan now
     term: int | None = 0
+    # the tracker's public key: its vouch makes a forwarded call a client's (ADR-0059)
+    tracker_key: str | None = Field(default=None, max_length=128)
 
 
 class RequestSummary(Message):

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from meshnet.observe.metrics import Metrics
+from meshnet.security.vouch import TrackerIdentity
 from meshnet.tracker import messages as msg
 from meshnet.tracker.beats import BEATS_PER_S, beat_interval_s, host_of, overdue
 from meshnet.tracker.holders import Candidate, holders
@@ -85,6 +86,7 @@ class Registry:
         self.rejoin_s: float | None = rejoin_beats * self.base_interval_s  # None: under way
         self._turn = 0  # where the next scan for a span's weight holders starts
         self.lease: Lease | None = None  # one of several trackers: plans only with the lease
+        self.identity = TrackerIdentity()  # vouches for the clients it forwards (review P1)
 
     @property
     def interval_s(self) -> float:
