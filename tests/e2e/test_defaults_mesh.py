@@ -55,7 +55,7 @@ def test_a_mesh_on_the_defaults_answers_as_llama_cpp(
         # attention off: [8, 16, 9, 16, 8, 10, 11, 16]: these prompts have near ties that
         # bf16 boundaries (or another kernel) tip after 8 tokens or so
         assert sum(agree) >= 65, agree  # of 103: other SIMD may tip other near ties
-        assert conversation_reuses_its_history(url) > 64  # ggml pools and stowed prefixes
+        assert conversation_reuses_its_history(url) >= 64  # ggml pools, stowed prefixes
     finally:
         stop_together([*nodes, tracker])
 

@@ -25,7 +25,12 @@ from tests.node.test_forks import Box, meta, start
 SPAN = LayerSpan(0, 2)
 
 
-def store(max_bytes: int = 1000, max_kept: int = 256, clock: Callable[[], float] = lambda: 0.0):  # type: ignore[no-untyped-def]
+def store(  # type: ignore[no-untyped-def]
+    max_bytes: int = 1000,
+    max_kept: int = 256,
+    clock: Callable[[], float] = lambda: 0.0,
+    max_kept_bytes: int | None = None,
+):
     return SessionStore(
         lambda: Box([]),
         lambda box: 10 * len(box.tokens),
@@ -35,6 +40,7 @@ def store(max_bytes: int = 1000, max_kept: int = 256, clock: Callable[[], float]
         bytes_per_token=10,
         copy=lambda box, length: Box(box.tokens[:length]),
         max_kept=max_kept,
+        max_kept_bytes=max_kept_bytes,
     )
 
 
@@ -83,6 +89,18 @@ def test_past_max_kept_the_least_recently_used_prefix_goes() -> None:
     assert sessions.prefix_stats().kept == 2
     assert SessionId("b") not in sessions._sessions
     assert {SessionId("a"), SessionId("c")} <= set(sessions._sessions)
+
+
+def test_kept_prefixes_hold_at_most_the_kv_reserve_least_recently_used_going_first() -> None:
+    """Review K1: 32 kept prefixes held 1,009 MiB of a node lending 300 MB with no live
+    session. Kept prefixes together keep within `max_kept_bytes` (the node's KV reserve)."""
+    sessions = store(max_bytes=10_000, max_kept_bytes=450)
+    for sid in ("a", "b", "c"):
+        start(sessions, sid, 20)  # 200 bytes each
+    for sid in ("a", "b", "c"):
+        assert sessions.keep(SessionId(sid))
+    assert sessions.prefix_stats().kept_bytes <= 450
+    assert set(sessions._sessions) == {SessionId("b"), SessionId("c")}
 
 
 def test_a_prefix_a_sliding_layer_no_longer_holds_is_a_fork_miss() -> None:

@@ -91,6 +91,7 @@ def ggml_runner(
     ttl_s: float,
     max_cache_bytes: int,
     evict_idle_s: float,
+    max_kept_bytes: int | None = None,
 ) -> SpanRunner:
     shard = GgmlShard(GgmlSpan(path, span, threads))
     return SpanRunner(
@@ -100,4 +101,5 @@ def ggml_runner(
         max_cache_bytes=max_cache_bytes,
         evict_idle_s=evict_idle_s,
         cache_ops=shard.cache_ops(),
+        max_kept_bytes=max_kept_bytes,
     )

@@ -115,12 +115,14 @@ class SessionStore:
         copy: Callable[[Any, int], Any] | None = None,
         max_kept: int = 256,
         stow: Callable[[Any], Any] = lambda cache: cache,
+        max_kept_bytes: int | None = None,
     ) -> None:
         """`bytes_per_token`: what a token's cache is expected to cost before any is measured
         (0 left the first session's reservation unchecked: review finding 10); `truncate`
         drops a cache's tokens past a length (rewinds, ADR-0038); `copy` makes a new cache of
         a cache's first tokens (forks, ADR-0045; None: this store refuses forks); `stow`
-        turns a cache into what a kept prefix holds (ADR-0058)."""
+        turns a cache into what a kept prefix holds (ADR-0058); `max_kept_bytes`: what kept
+        prefixes may hold together (the node's KV reserve: review K1; None: `max_bytes`)."""
         self.new_cache = new_cache
         self.truncate = truncate
         self.copy = copy
@@ -132,6 +134,7 @@ class SessionStore:
         self.bytes_per_token = bytes_per_token  # then learned from the caches measured
         self.refused = 0  # calls refused because the cache was full
         self.max_kept = max_kept  # kept prefixes at most; the least recently used go first
+        self.max_kept_bytes = max_bytes if max_kept_bytes is None else max_kept_bytes
         self.stow = stow
         self.stats = PrefixStats()  # hits and tokens reused (kept and bytes: `prefix_stats`)
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()
@@ -292,8 +295,12 @@ class SessionStore:
         session.cache_bytes = self.measure(session.cache)
         session.last_used_s = self.clock()
         self._sessions.move_to_end(sid)
-        kept = [k for k, s in self._sessions.items() if s.kept]
-        for victim in kept[: max(len(kept) - self.max_kept, 0)]:
+        kept = {k: s.cache_bytes for k, s in self._sessions.items() if s.kept}
+        victims = list(kept)[: max(len(kept) - self.max_kept, 0)]
+        for victim in victims:
+            del kept[victim]
+        victims += over_budget(kept, self.max_kept_bytes)  # least recently used first
+        for victim in victims:
             del self._sessions[victim]
         return True
 

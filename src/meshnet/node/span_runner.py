@@ -75,6 +75,7 @@ class SpanRunner:
         max_cache_bytes: int = 1 << 30,
         evict_idle_s: float = 10.0,
         cache_ops: CacheOps,
+        max_kept_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.span: LayerSpan = shard.span
@@ -90,6 +91,7 @@ class SpanRunner:
             truncate=ops.truncate,
             copy=ops.copy,
             stow=ops.stow,
+            max_kept_bytes=max_kept_bytes,
         )
 
     def take(self, hidden: Hidden) -> Hidden:

@@ -79,6 +79,7 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
             ttl_s=config.session_ttl_s,
             max_cache_bytes=config.max_cache_bytes,
             evict_idle_s=config.evict_idle_s,
+            max_kept_bytes=kept_bytes(config),
         )
     from meshnet.models.loader import load_shard
     from meshnet.node.torch_runner import TorchShardRunner
@@ -97,7 +98,15 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
         ttl_s=config.session_ttl_s,
         max_cache_bytes=config.max_cache_bytes,
         evict_idle_s=config.evict_idle_s,
+        max_kept_bytes=kept_bytes(config),
     )
+
+
+def kept_bytes(config: NodeConfig) -> int:
+    """What a span's kept prefixes may hold together: the node's KV reserve (review K1: they
+    filled the 1 GiB KV cap of a node lending 300 MB, after every answer had ended)."""
+    budget = config.budget_bytes or budget_bytes(resolve_device(config.device))
+    return min(config.max_cache_bytes, int(budget * config.kv_reserve_fraction))
 
 
 class SpanRole:

@@ -37,6 +37,7 @@ class TorchShardRunner(SpanRunner):
         ttl_s: float = 600.0,
         max_cache_bytes: int = 1 << 30,
         evict_idle_s: float = 10.0,
+        max_kept_bytes: int | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -45,6 +46,7 @@ class TorchShardRunner(SpanRunner):
             max_cache_bytes=max_cache_bytes,
             evict_idle_s=evict_idle_s,
             cache_ops=torch_cache_ops(shard),
+            max_kept_bytes=max_kept_bytes,
         )
 
     def take(self, hidden: Hidden) -> torch.Tensor:
