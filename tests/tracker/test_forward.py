@@ -6,6 +6,7 @@ through real processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +24,7 @@ from meshnet.tracker.forward import EntryForwarder
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.probe import TrustingProber
 from meshnet.tracker.registry import Registry
-from meshnet.types import LayerSpan, ModelId
+from meshnet.types import LayerSpan, ModelId, NodeId
 
 MB = 1 << 20
 OFFERS = [
@@ -249,3 +250,34 @@ def test_a_wrong_key_stops_at_the_tracker_and_reaches_no_entry() -> None:
     client, _, called = tracker(answer)
     wrong = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer x"})
     assert wrong.status_code == 401 and called == []
+
+
+def test_a_planned_entry_is_forwarded_to_before_one_that_claimed_its_span() -> None:
+    """Review N4: a member that registered claiming an entry span got its share of clients'
+    prompts. While an entry the planner gave its span to is up, claims get none."""
+    client, registry, called = tracker(answer)
+    registry.nodes[NodeId("b")].earned = {(ModelId("m"), LayerSpan(0, 10))}
+    for _ in range(6):
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert called == ["b"] * 6
+
+
+def test_the_forwarded_call_carries_the_trackers_vouch_for_its_client_entry_and_body() -> None:
+    """Review P1: only the tracker can say whom a forwarded call is for (ADR-0059)."""
+    from meshnet.security.vouch import TrackerKeys, client_statement
+
+    seen: list[httpx.Request] = []
+
+    def keep(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answer(request)
+
+    client, registry, _ = tracker(keep)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    sent = seen[0]
+    keys = TrackerKeys()
+    keys.add(registry.identity.public)
+    digest = hashlib.sha256(sent.content).hexdigest()
+    statement = client_statement(sent.headers["x-meshnet-client"], sent.url.host, digest)
+    assert keys.vouched(sent.headers["x-meshnet-vouch"], statement)
+    assert not keys.vouched(sent.headers["x-meshnet-vouch"], statement.replace(b"\na\n", b"\nb\n"))

@@ -37,7 +37,7 @@ from meshnet.security.vouch import VOUCH_HEADER
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
 from meshnet.tracker.registry import Registry
-from meshnet.types import NodeId
+from meshnet.types import ModelId, NodeId
 
 log = logging.getLogger(__name__)
 PASSED_HEADERS = ("content-type", "accept")  # what a client's call keeps: never its key
@@ -76,6 +76,7 @@ class EntryForwarder:
         ]
         if not listed:
             raise NoEntryError(self._why_none(model), field="model")
+        listed = self._planned_first(listed, model)
         passed = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
         client, digest = client_of(request.scope), hashlib.sha256(body).hexdigest()
         passed[CLIENT_HEADER] = client
@@ -105,6 +106,20 @@ class EntryForwarder:
                 continue
             return _relay(answer, functools.partial(self._count, entry.node_id, -1))
         raise RouteError(f"no entry of {model} took the request (last: {error})", field="model")
+
+    def _planned_first(self, listed: list[msg.EntryInfo], model: str) -> list[msg.EntryInfo]:
+        """The entries whose span the planner gave them and saw loaded, when there are any:
+        a member that registered claiming an entry span gets no client's prompt while one
+        is up (review N4); the others only when none is (after a tracker restart every span
+        is a claim until re-planned)."""
+        with self.registry.lock:
+            planned = [
+                e
+                for e in listed
+                if (record := self.registry.nodes.get(NodeId(e.node_id))) is not None
+                and (ModelId(model), e.span) in record.earned
+            ]
+        return planned or listed
 
     def _order(self, listed: list[msg.EntryInfo]) -> list[msg.EntryInfo]:
         """The entries with the fewest calls this tracker has in flight to them first."""
