@@ -128,3 +128,21 @@ def test_strangers_half_sent_requests_and_refusals_never_keep_members_out() -> N
         with httpx.Client(base_url=url, auth=Signer(SWARM).auth(ME)) as member:
             beats = [member.post("/member", content=b"beat").status_code for _ in range(5)]
         assert beats == [200] * 5
+
+
+def test_kept_alive_complete_requests_past_the_cap_leave_room_for_members() -> None:
+    """Review N1's other half: connections that each finish a `GET /health` and stay open
+    took every slot, and a member's signed calls got 503. Past `max_connections` a stranger
+    is answered 503; a call with a swarm proof takes one of the `member_reserve` more."""
+    access = AccessConfig(swarm_key=SWARM)
+    limits = ServerLimits(max_connections=16, member_reserve=4)
+    with serving(guarded_app(access), limits) as chosen, contextlib.ExitStack() as held:
+        for _ in range(20):
+            sock = held.enter_context(socket.create_connection(("127.0.0.1", chosen)))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # complete, kept alive
+            sock.recv(4096)
+        url = f"http://127.0.0.1:{chosen}"
+        assert httpx.get(f"{url}/health").status_code == 503  # a stranger past the cap
+        with httpx.Client(base_url=url, auth=Signer(SWARM).auth(ME)) as member:
+            beats = [member.post("/member", content=b"beat").status_code for _ in range(5)]
+        assert beats == [200] * 5

@@ -12,7 +12,10 @@ Connections that have not finished their first request's headers are also capped
 from the process's connection cap: past `max_pending_connections` the oldest of them is
 closed to make room (review N1: 1,100 half-sent requests held the tracker's 1,024
 connections, every member call got 503 and every node was declared dead). A member sends
-its headers as it connects, so a stranger opening sockets can only evict its own.
+its headers as it connects, so a stranger opening sockets can only evict its own. Past
+`max_connections`, `member_reserve` more are kept for calls carrying a swarm proof (review
+N1: complete kept-alive requests took the whole cap); a made-up proof gets in only to be
+refused by the guard, and counted against its address.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ KiB = 1 << 10
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_connections: int = 1024  # open connections (and requests in flight); 503 beyond
+    max_connections: int = 1024  # open connections (and requests in flight); 503 beyond...
+    member_reserve: int = 128  # ...but for calls carrying a swarm proof: this many more
     max_pending_connections: int = 256  # not done with their first headers; oldest closed
     max_header_bytes: int = 64 * KiB  # request line and headers together; 431 beyond
     header_timeout_s: float = 3.0  # to send a request's headers, once connected
@@ -90,6 +94,11 @@ class GuardedHttpTools(HttpToolsProtocol):
             raise HeadersTooLarge
 
     def on_headers_complete(self) -> None:
+        # a call with a swarm proof may use the reserve (review N1: 1,030 kept-alive
+        # connections asking /health took every slot; the guard checks the proof next)
+        signed = any(name == b"x-meshnet-auth" for name, _ in self.headers)
+        reserve = self.limits.member_reserve if signed else 0
+        self.limit_concurrency = self.limits.max_connections + reserve
         self.pending.pop(self, None)
         if self._deadline is not None:
             self._deadline.cancel()
@@ -133,7 +142,7 @@ def server_config(
         port=port,
         log_level="warning",
         http=protocol,
-        limit_concurrency=limits.max_connections,
+        limit_concurrency=limits.max_connections + limits.member_reserve,
         # the caller is the TCP peer: no X-Forwarded-For may make a stranger loopback
         proxy_headers=False,
         timeout_keep_alive=limits.keep_alive_s,
