@@ -55,7 +55,6 @@ class KvPool:
 
     def take(self, owner: int, positions: np.ndarray) -> np.ndarray:
         """Cells for `owner`'s tokens at `positions`, the lowest free first."""
-        self._shrink(len(positions))
         free = np.flatnonzero(self.owner < 0)
         while free.size < len(positions):
             self._grow()
@@ -75,23 +74,6 @@ class KvPool:
         self.position = np.concatenate([self.position, np.zeros(self.capacity, np.int64)])
         self._free_buffer()
         self.data = grown
-
-    def _shrink(self, need: int) -> None:
-        """Give memory back (review K1: the pool only grew): halve it while what is taken,
-        up to the highest cell, and `need` more fit in half of the halved pool (so that a
-        pool does not shrink and grow by turns). Before a round only: a round's graph points
-        into the pool."""
-        used, taken = self.used_cells(), int(np.count_nonzero(self.owner >= 0))
-        capacity = self.capacity
-        while capacity // 2 >= _FIRST_CELLS and 4 * max(used, taken + need) <= capacity:
-            capacity //= 2
-        if capacity == self.capacity:
-            return
-        kept = _zeros((self.layers, 2, capacity, self.width))
-        kept[...] = self.data[:, :, :capacity]
-        self.owner, self.position = self.owner[:capacity].copy(), self.position[:capacity].copy()
-        self._free_buffer()
-        self.data = kept
 
     def tensor(self, build: Builder, layer: int, which: int) -> Tensor:
         """Layer `layer`'s keys (`which` 0) or values (1): a ggml tensor [width, capacity]."""
