@@ -77,9 +77,12 @@ def test_an_entry_without_the_swarm_key_relays() -> None:
         head=generator.pipeline.head,
         codec=generator.codec,
         max_context=4096,
+        file_weights=True,
     )
     config = EntryConfig(push=True, spot_check_rate=0.0)
     built = make_generator(
         cast(Any, model), service, StaticRoutes([]), InProcessTransport({}), config
     )
     assert not built.pipeline.hops.push
+    checker = built.pipeline.hops.checker
+    assert isinstance(checker, SpotChecker) and not checker.loose  # a GGUF mesh: one tolerance

@@ -59,8 +59,29 @@ def test_whoever_agrees_with_no_other_copy_is_guilty(
     assert outliers([(k, off_by(f), q) for k, f, q in results]) == guilty
 
 
+@pytest.mark.parametrize(
+    ("results", "guilty"),
+    [
+        # N8 in a ggml mesh: ggml's copies declare gguf; a liar declaring another quantization
+        # got the loose bound. gguf is the file's weights: no room against bf16...
+        ([("a", 0.0, "gguf"), ("b", 0.3, "bf16")], ["a", "b"]),
+        ([("a", 0.0, "gguf"), ("b", 0.04, "int8")], []),  # measured honest: <= 0.064
+        # ...and a GGUF mesh (no loose bound) gives none to a declared nf4, q4 or nothing
+        ([("a", 0.0, "gguf"), ("b", 0.3, "nf4")], ["a", "b"]),
+        ([("a", 0.0, "gguf"), ("b", 0.3, "q4")], ["a", "b"]),
+        ([("a", 0.0, "gguf"), ("b", 0.3, None)], ["a", "b"]),
+        ([("a", 0.0, "gguf"), ("b", 0.1, "q4")], []),
+    ],
+)
+def test_in_a_gguf_mesh_no_declared_quantization_buys_room(
+    results: list[tuple[str, float, Quant | None]], guilty: list[str]
+) -> None:
+    assert outliers([(k, off_by(f), q) for k, f, q in results], loose=False) == guilty
+
+
 def test_tolerances_and_errors() -> None:
     assert tolerance("bf16", "int8") < tolerance("nf4", "bf16") == tolerance("bf16", "q4")
+    assert tolerance("gguf", "bf16") == tolerance("bf16", "int8") == tolerance("nf4", "bf16", False)
     assert relative_error(BASE, BASE) == 0.0
     assert relative_error(BASE[:, :2], BASE) == float("inf")  # another shape never agrees
     assert abs(relative_error(off_by(0.1), BASE) - 0.1) < 1e-5

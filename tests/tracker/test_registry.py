@@ -11,7 +11,7 @@ import pytest
 
 from meshnet.tracker import messages as msg
 from meshnet.tracker import views
-from meshnet.tracker.membership import TooManyNodesError
+from meshnet.tracker.membership import RegistrationError, TooManyNodesError
 from meshnet.tracker.planner import Directive, ModelOffer
 from meshnet.tracker.registry import PLANNING_SHARE, NodeRecord, Registry
 from meshnet.types import LayerSpan, ModelId, NodeId
@@ -342,3 +342,29 @@ def test_a_follower_plans_nothing_takes_what_nodes_hold_and_moves_nothing_once_i
     follower.plan_if_due()
     # coverage was whole and d's copy is under way: nothing moves, nothing is sent twice
     assert follower.plans == 1 and not follower.recent
+
+
+def test_a_gguf_model_is_served_only_by_copies_that_keep_its_files_weights() -> None:
+    """N8 (ADR-0060): nf4 re-quantizes a GGUF file's 4-bit weights, and so does q4 where a
+    layer matrix is no Q4 block (Gemma's Q4_K_M file keeps some in Q6_K); such copies part
+    from the file's by up to 0.18, room a liar could hide in. The offers leave them out."""
+    from meshnet.tracker.offers import offer
+    from tests.models.fixtures import gemma3_gguf
+
+    assert sorted(offer("default").layer_bytes) == ["bf16", "fp32", "gguf", "int8", "q4"]
+    assert sorted(offer(str(gemma3_gguf())).layer_bytes) == ["bf16", "fp32", "gguf", "int8"]
+
+
+def test_spans_held_in_a_quantization_the_model_is_not_served_in_are_refused() -> None:
+    offers = [ModelOffer(ModelId("m"), 30, {"gguf": MB, "bf16": MB})]
+    reg = Registry(offers, {ModelId("m"): "m"}, dead_after_s=6.0, clock=Clock())
+    shard = msg.ShardRef(model="m", span=LayerSpan(0, 4))
+    liar = request("liar").model_copy(update={"quant": "nf4", "loaded": [shard]})
+    with pytest.raises(RegistrationError, match="not served as nf4.*'bf16', 'gguf'") as refused:
+        reg.register(liar)
+    assert refused.value.field == "quant" and not reg.nodes
+    reg.register(request("n").model_copy(update={"quant": "nf4"}))  # holding nothing: idle
+    beat = msg.HeartbeatRequest(node_id="n", loaded=[shard])
+    with pytest.raises(RegistrationError, match="not served as nf4"):
+        reg.heartbeat(beat)
+    assert not reg.nodes[NodeId("n")].loaded

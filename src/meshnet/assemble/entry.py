@@ -58,6 +58,7 @@ class EntryModel:
     codec: HfCodec
     num_layers: int
     max_context: int
+    file_weights: bool = False  # a GGUF file: every copy computes its weights (ADR-0060)
 
 
 def entry_span(config: NodeConfig) -> LayerSpan:
@@ -116,7 +117,15 @@ def load_entry_model(config: NodeConfig, model_id: str, source: str, span: Layer
     codec = HfCodec(load_tokenizer(resolved))
     log.info("entry for %s: layers %s and the head loaded", model_id, span)
     spec = resolved.spec
-    return EntryModel(model_id, runner, head, codec, spec.num_layers, spec.max_positions)
+    return EntryModel(
+        model_id,
+        runner,
+        head,
+        codec,
+        spec.num_layers,
+        spec.max_positions,
+        file_weights=resolved.kind == "gguf",
+    )
 
 
 class EntryRole:
@@ -203,7 +212,10 @@ def make_generator(
         replace(entry, push=entry.push and pushes(service)),
         metrics=service.metrics,
         spot_checker=SpotChecker(
-            entry.spot_check_rate, random.Random(entry.seed), Bans(entry.spot_check_ban_s)
+            entry.spot_check_rate,
+            random.Random(entry.seed),
+            Bans(entry.spot_check_ban_s),
+            file_weights=model.file_weights,
         ),
     )
     return Generator(

@@ -50,19 +50,20 @@ NF4_TOLERANCE = 0.5  # also q4's: 4-bit weights, re-quantized where the file's w
 MAX_HOST_TRIES = 3  # routes asked for a copy on another host before taking one on the same
 
 
-def tolerance(a: Quant | None, b: Quant | None) -> float:
+def tolerance(a: Quant | None, b: Quant | None, loose: bool = True) -> float:
     """How far two honest copies with these weight quantizations may differ. Two copies of
-    one quantization hold the same weights (a 4-bit one too: both come from the same file),
-    so only compute dtype and batching part them: the tight tolerance (review N8: a liar
-    that declared nf4 passed 30% noise against any copy)."""
-    if a == b and a is not None:
+    one quantization hold the same weights, so only compute dtype and batching part them:
+    the tight tolerance. Without `loose` (a GGUF mesh, whose tracker serves no copy that
+    re-quantizes the file: ADR-0060), every pair gets it whatever the hops declare (review
+    N8: a liar declaring bf16 passed 30% noise against ggml copies)."""
+    if not loose or (a == b and a is not None):
         return TOLERANCE
     return NF4_TOLERANCE if _four_bit(a) or _four_bit(b) or None in (a, b) else TOLERANCE
 
 
 def _four_bit(quant: Quant | None) -> bool:
-    """4-bit weights, or the file's own types under ggml's kernels (8-bit activations in
-    products): against another kind, the loose tolerance (`QuantScheme.four_bit`)."""
+    """4-bit weights of the copy's own making: against another kind, the loose tolerance
+    (`QuantScheme.four_bit`)."""
     return quant is not None and scheme_of(quant).four_bit
 
 
@@ -74,13 +75,16 @@ def relative_error(answer: torch.Tensor, reference: torch.Tensor) -> float:
     return float((answer.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
-def outliers(results: Sequence[tuple[K, torch.Tensor, Quant | None]]) -> list[K]:
+def outliers(
+    results: Sequence[tuple[K, torch.Tensor, Quant | None]], loose: bool = True
+) -> list[K]:
     """The parties whose output agrees with no other's (all of them when no two agree):
-    whom a disagreement bans. Pure: `results` are (party, output, its quantization)."""
+    whom a disagreement bans. Pure: `results` are (party, output, its quantization);
+    `loose` as for `tolerance`."""
 
     def agree(i: int, j: int) -> bool:
         (_, a, qa), (_, b, qb) = results[i], results[j]
-        return relative_error(a, b) <= tolerance(qa, qb)
+        return relative_error(a, b) <= tolerance(qa, qb, loose)
 
     n = len(results)
     alone = [
@@ -104,10 +108,18 @@ class SpotChecker:
     """Draws frames to check (`rate` of them), runs each check in the background: one at a
     time per checked node (so every hop of a route gets its turn), `max_in_flight` in all."""
 
-    def __init__(self, rate: float, rng: random.Random, bans: Bans, max_in_flight: int = 4) -> None:
+    def __init__(
+        self,
+        rate: float,
+        rng: random.Random,
+        bans: Bans,
+        max_in_flight: int = 4,
+        file_weights: bool = False,  # a GGUF mesh: every copy the file's weights, one tolerance
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"a spot-check rate is a fraction in [0, 1], not {rate}")
         self.rate = rate
+        self.loose = not file_weights
         self.rng = rng
         self.bans = bans
         self.max_in_flight = max_in_flight
@@ -167,7 +179,7 @@ class SpotChecker:
             chain, output = found
             asked |= {h.node_id for h in chain}
             results.append((tuple(chain), output[:, -tokens:], _quant(chain)))
-            if len(results) == 2 and not outliers(results):
+            if len(results) == 2 and not outliers(results, self.loose):
                 hops.metrics.spot_checks.labels("match").inc()
                 return
         if len(results) == 1:
@@ -177,7 +189,7 @@ class SpotChecker:
 
     async def _judge(self, hops: Hops, results: list[Result]) -> None:
         """Ban and report every hop of each chain that agrees with no other copy."""
-        guilty = outliers(results)
+        guilty = outliers(results, self.loose)
         hops.metrics.spot_checks.labels("mismatch").inc()
         honest = [output for chain, output, _ in results if chain not in guilty]
         reference = honest[0] if honest else results[0][1]

@@ -96,7 +96,7 @@ def load_layer(
         layer = arch.build_layer(config, index)
     prefixes = arch.layer_names(index)
     names = {key: [p + key for p in prefixes] for key in layer.state_dict()}
-    keeps = scheme_of(quant).keeps_file_blocks  # q4: the file's 4-bit codes, as they are
+    keeps = bool(scheme_of(quant).keeps_file_blocks)  # q4: the file's 4-bit codes, as they are
     blocks = read_int4_blocks(layer, checkpoint, names) if keeps else {}
     layer.load_state_dict(read_state(layer, checkpoint, names), assign=True, strict=True)
     for module in layer.modules():  # the shard's cache numbers its layers from 0

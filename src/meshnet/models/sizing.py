@@ -10,7 +10,7 @@ from pathlib import Path
 from meshnet.models import registry
 from meshnet.models.quant import scheme_of
 from meshnet.models.spec import ModelSpec
-from meshnet.types import ComputeDtype, Quant
+from meshnet.types import CONVERSIONS, ComputeDtype, Quant
 
 
 def layer_bytes(
@@ -45,6 +45,18 @@ def file_layer_bytes(path: Path) -> int:
             index = tensor.name.split(".")[1]
             per_layer[index] = per_layer.get(index, 0) + tensor.data.nbytes
     return max(per_layer.values(), default=0)
+
+
+def file_conversions(path: Path) -> tuple[Quant, ...]:
+    """The conversions whose copies of a GGUF file's layers keep its weights, by the types
+    of its layer matrices ("Q4_K", "Q6_K"...): what a tracker serves it in (ADR-0060)."""
+    from meshnet.models.gguf_file import read_gguf
+
+    tensors = read_gguf(path).tensors
+    types = frozenset(
+        t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+    return tuple(q for q in CONVERSIONS if scheme_of(q).keeps_file_weights(types))
 
 
 def head_bytes(spec: ModelSpec, dtype_bytes: int, int8_lm_head: bool = False) -> int:

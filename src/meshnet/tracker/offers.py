@@ -7,7 +7,12 @@ import time
 from pathlib import Path
 
 from meshnet.config import TrackerConfig
-from meshnet.models.sizing import entry_head_bytes, file_layer_bytes, layer_bytes
+from meshnet.models.sizing import (
+    entry_head_bytes,
+    file_conversions,
+    file_layer_bytes,
+    layer_bytes,
+)
 from meshnet.models.source import resolve, source_kind
 from meshnet.tracker.planner import ModelOffer
 from meshnet.tracker.registry import Registry
@@ -22,8 +27,10 @@ def offer(name: str) -> ModelOffer:
     source = resolve(name)
     spec = source.spec
     model_id = name if is_valid_id(name) else source.model_id.replace("/", "--")
-    layers: dict[str, int] = {q: layer_bytes(spec, q) for q in CONVERSIONS}
-    heads: dict[str, int] = {q: entry_head_bytes(spec, q) for q in CONVERSIONS}
+    # a GGUF file: not served by copies that re-quantize its weights (ADR-0060)
+    quants = file_conversions(source.path) if source.kind == "gguf" else CONVERSIONS
+    layers: dict[str, int] = {q: layer_bytes(spec, q) for q in quants}
+    heads: dict[str, int] = {q: entry_head_bytes(spec, q) for q in quants}
     if source.kind == "gguf":  # ggml nodes hold its layers as the file stores them
         layers["gguf"], heads["gguf"] = (
             file_layer_bytes(source.path),

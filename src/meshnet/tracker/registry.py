@@ -110,7 +110,7 @@ class Registry:
                 field="models",
             )
         for ref in request.loaded:
-            self._key(ref)
+            self._key(ref, request.quant)
 
     def register(
         self, request: msg.RegisterRequest, peer: str | None = None, token: str | None = None
@@ -123,7 +123,7 @@ class Registry:
                 self._next_plan_s, self.rejoin_s = self.clock() + self.rejoin_s, None
             node_id, address = NodeId(request.node_id), peer or host_of(request.address)
             check_room(self.nodes, node_id, address, self.max_nodes, self.max_per_address)
-            loaded = {self._key(ref) for ref in request.loaded}
+            loaded = {self._key(ref, request.quant) for ref in request.loaded}
             per_layer = {m: o.layer_bytes.get(request.quant, 0) for m, o in self.offers.items()}
             check_fits(request.node_id, loaded, per_layer, request.budget_bytes)
             self.nodes[node_id] = NodeRecord(
@@ -154,8 +154,9 @@ class Registry:
                     f"node {beat.node_id} is not registered; register again", field="node_id"
                 )
             check_token(record.token, beat.token, beat.node_id)
-            loaded = {self._key(ref) for ref in beat.loaded}  # validate everything first
-            loading = {self._key(ref) for ref in beat.loading}
+            quant = record.request.quant  # validate everything first
+            loaded = {self._key(ref, quant) for ref in beat.loaded}
+            loading = {self._key(ref, quant) for ref in beat.loading}
             failed = {self._key(f.shard) for f in beat.failed}
             if not self.plans_now():  # another tracker assigned them: a registration's trust
                 self._adopt(record, loaded, loading)
@@ -343,13 +344,20 @@ class Registry:
         out, record.pending = record.pending, []
         return out
 
-    def _key(self, ref: msg.ShardRef) -> Key:
+    def _key(self, ref: msg.ShardRef, quant: str | None = None) -> Key:
         """A reported span as a key: a model no longer offered is kept (to be dropped); a span
-        outside an offered model's layers is refused (400)."""
+        outside an offered model's layers, or held in a quantization it is not served in (one
+        re-quantizing a GGUF file's weights, ADR-0060), is refused (400)."""
         offer = self.offers.get(ModelId(ref.model))
         if offer is not None and ref.span.end > offer.num_layers:
             raise RegistrationError(
                 f"span {ref.span} is outside {ref.model}'s {offer.num_layers} layers", field="span"
+            )
+        if offer is not None and quant is not None and quant not in offer.layer_bytes:
+            raise RegistrationError(
+                f"{ref.model} is not served as {quant}, which would re-quantize its file's "
+                f"weights; serve it as one of {sorted(offer.layer_bytes)}",
+                field="quant",
             )
         return ModelId(ref.model), ref.span
 

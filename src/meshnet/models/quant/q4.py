@@ -10,6 +10,7 @@ from meshnet.models.quant.scheme import Linear, QuantScheme
 from meshnet.types import device_kind
 
 GROUP_BYTES = 2 * 2 / 32  # a bf16 scale and a bf16 offset per 32 weights
+KEPT_BLOCKS = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # GGUF types whose codes it keeps exactly
 
 
 def swap(linear: Linear, dtype: Any, device: str) -> Any:
@@ -37,7 +38,7 @@ SCHEME = QuantScheme(
     compute="preferred",
     scale_bytes=lambda linear, rows, packed: linear * GROUP_BYTES,
     swap="meshnet.models.quant.q4:swap",
-    keeps_file_blocks=True,
+    keeps_file_blocks=KEPT_BLOCKS,
     four_bit=True,
     check="meshnet.models.quant.q4:check",
 )

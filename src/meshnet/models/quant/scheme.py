@@ -41,10 +41,12 @@ class QuantScheme:
     scale_bytes: Callable[[int, int, bool], float] = lambda linear, rows, packed: 0.0
     # "module:function" of the linear swap (None: the layer is only cast to its dtype)
     swap: str | None = None
-    keeps_file_blocks: bool = False  # reads the 4-bit blocks a GGUF file holds (q4)
+    keeps_file_blocks: frozenset[str] = frozenset()  # GGUF block types it keeps as they are (q4)
     file_types: bool = False  # keeps the file's own types: ggml computes it, nothing sizes it
     repacked_for_bf16: bool = False  # bitsandbytes repacks it on an AVX512-BF16 CPU (nf4)
-    four_bit: bool = False  # spot checks give copies of 4-bit weights the loose tolerance
+    # re-quantizes weights to 4 bits of its own: its copies part from others by more than
+    # rounding, so spot checks give them the loose tolerance (none in a GGUF mesh: ADR-0060)
+    four_bit: bool = False
     int8_lm_head: bool = False  # its entry multiplies by int8 rows of the LM head (ADR-0046)
     check: str | None = None  # "module:function(device)" raising ConfigError where it cannot run
 
@@ -54,6 +56,14 @@ class QuantScheme:
         if self.compute == "fp32" or (self.compute == "preferred" and compute == "fp32"):
             return 4
         return 2
+
+    def keeps_file_weights(self, block_types: frozenset[str]) -> bool:
+        """Whether its copy of a GGUF file's layers whose matrices are of `block_types`
+        computes the file's own weights (to within 8-bit rounding: measured against ggml
+        <= 0.064 for fp32, bf16, int8; q4 of a Q4 file 0.023, of a Q4_K_M file 0.136 and nf4
+        0.18, spans of SmolLM2 and Gemma 3, ADR-0060): all but the 4-bit schemes, and those
+        where they keep every block as it is."""
+        return not self.four_bit or block_types <= self.keeps_file_blocks
 
     @property
     def head_bytes_per_value(self) -> int:
