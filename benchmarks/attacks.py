@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from meshnet.entry.transport import signed_for
 from meshnet.security.ownership import PROOF, SessionKeys
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import SwarmKey, route_proof, sign
@@ -174,9 +175,11 @@ def member_call(
     return f"{answer.status_code} {answer.reason_phrase}"
 
 
-def frame_call(port: int, meta: FrameMeta, proof: str | None, extra: dict[str, str]) -> str:
-    frame = encode(torch.randn(1, 2, 16), meta)
-    owned = {PROOF: proof} if proof else {}
+def frame_call(port: int, meta: FrameMeta, keys: SessionKeys | None, extra: dict[str, str]) -> str:
+    """`meta`'s frame, signed by the entry holding `keys` (None: unsigned)."""
+    hidden = torch.randn(1, 2, 16)
+    frame = encode(hidden, meta)
+    owned = {PROOF: signed_for(keys, meta, (meta.span,), hidden)} if keys else {}
     return member_call(port, "POST", "/forward", bytes(frame.body), frame.headers | owned | extra)
 
 
@@ -212,7 +215,7 @@ def session_rows(port: int) -> list[tuple[str, str, int | str, str]]:
     victim, attacker = SessionKeys(), SessionKeys()
     session, span, model = victim.new_id(), LayerSpan(0, 10), ModelId("default")
     opened = FrameMeta(session, model, span, 0)
-    frame_call(port, opened, victim.frame_proof(opened, (span,)), {})
+    frame_call(port, opened, victim, {})
     mine = attacker.new_id()
     fork = FrameMeta(mine, model, span, 2, fork=session)
     step = FrameMeta(session, model, span, 2)
@@ -222,10 +225,10 @@ def session_rows(port: int) -> list[tuple[str, str, int | str, str]]:
     proof = route_proof(SwarmKey.from_text(KEY), pushed.session, model, route, reply)
     push = {"X-Meshnet-Route": route, "X-Meshnet-Reply-To": reply}
     push |= {"X-Meshnet-Route-Proof": proof, "X-Meshnet-Budget-Ms": "3600000"}
-    forked = frame_call(port, fork, attacker.frame_proof(fork, (span,)), {})
+    forked = frame_call(port, fork, attacker, {})
     stepped = frame_call(port, step, None, {})
     closed = member_call(port, "DELETE", f"/sessions/{session}")
-    sent = frame_call(port, pushed, attacker.frame_proof(pushed, (span,)), push)
+    sent = frame_call(port, pushed, attacker, push)
     return [
         ("N3 fork of another entry's session", forked, 0, "tokens read back"),
         ("N3 step on another entry's session", stepped, 0, "tokens read back"),

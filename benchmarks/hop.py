@@ -23,6 +23,7 @@ import aiohttp
 import httpx
 import torch
 
+from meshnet.entry.transport import signed_for
 from meshnet.security.ownership import PROCESS_KEYS, PROOF
 from meshnet.security.signing import Signer
 from meshnet.types import LayerSpan, ModelId
@@ -60,7 +61,7 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
             for meta in metas:
                 start = time.perf_counter()
                 frame = encode(x, meta)
-                owned = {PROOF: PROCESS_KEYS.frame_proof(meta, (meta.span,))}
+                owned = {PROOF: signed_for(PROCESS_KEYS, meta, (meta.span,), x)}
                 response = await client.post(
                     "/forward", headers=frame.headers | owned, content=bytes(frame.body)
                 )
@@ -72,7 +73,7 @@ async def round_trips(url: str, count: int, hidden: int, client_name: str) -> li
         for meta in metas:
             start = time.perf_counter()
             frame = encode(x, meta)
-            frame.headers[PROOF] = PROCESS_KEYS.frame_proof(meta, (meta.span,))
+            frame.headers[PROOF] = signed_for(PROCESS_KEYS, meta, (meta.span,), x)
             body = bytes(frame.body)
             to = "unregistered"  # a node that never joined a tracker
             proof = signer.headers("POST", "/forward", body, to=to, headers=frame.headers)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from meshnet.config import WireConfig
-from meshnet.security.ownership import PROCESS_KEYS, PROOF
+from meshnet.security.ownership import PROCESS_KEYS, PROOF, Body
 from meshnet.types import LayerSpan, SessionId
 from meshnet.wire import FrameMeta
 from meshnet.wire import encode as plain_encode
-from meshnet.wire.frame import Encoded
+from meshnet.wire.frame import Encoded, tensor_bytes
 
 
 def new_session(kind: str = "s") -> SessionId:
@@ -18,9 +18,13 @@ def new_session(kind: str = "s") -> SessionId:
     return PROCESS_KEYS.new_id(kind)
 
 
-def proof(meta: FrameMeta, spans: tuple[LayerSpan, ...] | None = None) -> dict[str, str]:
-    """The proof header for `meta`, good at `spans` (its own layers unless given)."""
-    return {PROOF: PROCESS_KEYS.frame_proof(meta, spans or (meta.span,))}
+def proof(
+    meta: FrameMeta, hidden: torch.Tensor, spans: tuple[LayerSpan, ...] | None = None
+) -> dict[str, str]:
+    """The proof header for `meta` carrying `hidden`, good at `spans` (its own layers unless
+    given)."""
+    body = Body.of(tensor_bytes(hidden), tuple(hidden.shape))
+    return {PROOF: PROCESS_KEYS.frame_proof(meta, spans or (meta.span,), body)}
 
 
 def close_proof(session: str, node_id: str) -> dict[str, str]:
@@ -35,7 +39,7 @@ def encode(
 ) -> Encoded:
     """`wire.encode` with the frame's session proof among its headers."""
     frame = plain_encode(tensor, meta, config, link_bytes_per_s)
-    return Encoded(frame.headers | proof(meta), frame.body)
+    return Encoded(frame.headers | proof(meta, tensor), frame.body)
 
 
 class Sessions(dict[str, SessionId]):

@@ -107,7 +107,7 @@ def test_forward_fuzz_never_crashes_corrupts_or_leaks(
         headers, valid = session_frame(LIVE, 4, STEP)
         headers = {k: v for k, v in (headers | changes).items() if k not in drop}
         with contextlib.suppress(MeshError):  # signed anew, as its entry would: the node
-            headers |= proof(h.parse_meta(h.lower_keys(headers)))  # judges the change itself
+            headers |= proof(h.parse_meta(h.lower_keys(headers)), STEP)  # judges the change
         payload = {"valid": valid, "cut": valid[:-3]}.get(body, body)  # type: ignore[call-overload]
         response = run(post(headers, payload))
         record("node POST /forward", response.status_code)

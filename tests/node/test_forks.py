@@ -174,10 +174,11 @@ def test_bad_forks_over_http_get_json_errors(
     runner.forward(FrameMeta(PARENT, ModelId("tiny"), SPAN, 0), torch.zeros(1, 6, 16))
     app = create_app(runner, WireLimits())
     sent = FrameMeta(FAMILY["s1"], ModelId("tiny"), SPAN, position)
-    frame = encode(torch.randn(1, 1, 16), sent)
+    hidden = torch.randn(1, 1, 16)
+    frame = encode(hidden, sent)
     headers = {**frame.headers, h.FORK: FAMILY.get(fork, fork)}
     with contextlib.suppress(MeshError):  # signed as its entry would sign it
-        headers |= proof(h.parse_meta(h.lower_keys(headers)))
+        headers |= proof(h.parse_meta(h.lower_keys(headers)), hidden)
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

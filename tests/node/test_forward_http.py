@@ -21,7 +21,8 @@ from tests.owned import Sessions, encode, proof
 SPAN = LayerSpan(0, 10)
 SID = Sessions()
 META = FrameMeta(SID["s1"], ModelId("default"), SPAN, position=0)
-GOOD = encode(torch.randn(1, 4, 16), META)
+TENSOR = torch.randn(1, 4, 16)
+GOOD = encode(TENSOR, META)
 
 
 async def post(app: object, headers: dict[str, str], body: bytes) -> httpx.Response:
@@ -35,7 +36,7 @@ def with_header(name: str, value: str) -> dict[str, str]:
     that the node refuses what the header says, not a stale proof)."""
     headers = {**GOOD.headers, name: value}
     try:
-        return headers | proof(h.parse_meta(h.lower_keys(headers)))
+        return headers | proof(h.parse_meta(h.lower_keys(headers)), TENSOR)
     except MeshError:
         return headers
 

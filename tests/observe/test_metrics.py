@@ -57,9 +57,10 @@ async def forward_then_scrape(frames: list[tuple[dict[str, str], bytes]]) -> str
 
 def test_a_node_counts_forward_time_bytes_sessions_and_refusals() -> None:
     meta = FrameMeta(new_session(), ModelId("default"), LayerSpan(0, 10), position=0)
-    good = encode(torch.randn(1, 4, 16), meta)
+    hidden = torch.randn(1, 4, 16)
+    good = encode(hidden, meta)
     wrong_span = {**good.headers, "X-Meshnet-Layers": "0:5"} | proof(
-        replace(meta, span=LayerSpan(0, 5))
+        replace(meta, span=LayerSpan(0, 5)), hidden
     )
     body = bytes(good.body)
     text = run(forward_then_scrape([(good.headers, body), (wrong_span, body)]))

@@ -22,11 +22,12 @@ from meshnet.entry.inbox import Inbox
 from meshnet.errors import HopError, MeshError, PushError, WireError, read_error
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
-from meshnet.security.ownership import PROCESS_KEYS, PROOF, SessionKeys
+from meshnet.security.ownership import PROCESS_KEYS, PROOF, Body, SessionKeys
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import ANSWER_HEADER, route_proof
-from meshnet.types import Hop, NodeId, SessionId
+from meshnet.types import Hop, LayerSpan, NodeId, SessionId
 from meshnet.wire import FrameMeta, decode, encode, require_finite
+from meshnet.wire.frame import tensor_bytes
 from meshnet.wire.headers import ENCODING, LAYERS
 from meshnet.wire.links import LinkRates
 from meshnet.wire.post import AnswerTooLarge, FramePoster
@@ -112,7 +113,7 @@ class HttpTransport:
         return self._client
 
     async def forward(self, hop: Hop, meta: FrameMeta, hidden: torch.Tensor) -> torch.Tensor:
-        owned = {PROOF: self.keys.frame_proof(meta, (hop.span,))}
+        owned = {PROOF: signed_for(self.keys, meta, (hop.span,), hidden)}
         status, headers, body, _ = await self._post(
             hop, meta, hidden, owned, self.limits.max_body_bytes
         )
@@ -154,7 +155,7 @@ class HttpTransport:
         """The call to the route's first hop; returns once the chain answered it."""
         first = route.hops[0]
         extra = route.headers(proof, int(1000 * self.timeout_s * SHARE_OF_BUDGET))
-        extra[PROOF] = self.keys.frame_proof(meta, tuple(hop.span for hop in route.hops))
+        extra[PROOF] = signed_for(self.keys, meta, tuple(hop.span for hop in route.hops), hidden)
         status, _, body, signed = await self._post(first, meta, hidden, extra, MAX_ANSWER_BYTES)
         if status != 200:
             error = passed_back(first.node_id, status, body)
@@ -205,6 +206,15 @@ class HttpTransport:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
+
+
+def signed_for(
+    keys: SessionKeys, meta: FrameMeta, spans: tuple[LayerSpan, ...], hidden: torch.Tensor
+) -> str:
+    """The session proof of `meta` for the hops holding `spans`, naming the tensor the first
+    of them is sent (`hidden`, [1, T, H], as bf16 on the wire: review S1)."""
+    body = Body.of(tensor_bytes(hidden), tuple(hidden.shape))
+    return keys.frame_proof(meta, spans, body)
 
 
 def checked_output(

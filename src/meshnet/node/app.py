@@ -50,7 +50,7 @@ from meshnet.types import SessionId, is_valid_id
 from meshnet.weights.serve import WeightServer, add_weight_routes, weight_rules
 from meshnet.wire import FrameMeta, compression, decode_bits, encode, require_finite
 from meshnet.wire import headers as h
-from meshnet.wire.frame import Hidden
+from meshnet.wire.frame import Hidden, tensor_bytes
 from meshnet.wire.links import LinkRates, hold_header
 from meshnet.wire.route import budget_ms, parse_route
 
@@ -174,7 +174,8 @@ class NodeService:
         encoding = request.headers.get(h.ENCODING, "none").strip().lower()  # decode checked it
         self.metrics.bytes_received.labels(encoding).inc(len(body))
         proof = request.headers.get(PROOF)
-        check_frame(proof, meta)  # only the session's own entry (ADR-0049)
+        # only the session's own entry, for this tensor (ADR-0049, review S1)
+        check_frame(proof, meta, tensor_bytes(hidden), hidden.shape)
         require_finite(hidden)  # poison must not reach a cache
         lower = h.lower_keys(request.headers)
         route = parse_route(lower)

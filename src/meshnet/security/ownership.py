@@ -5,13 +5,17 @@ digits of SHA-256 over an Ed25519 public key and `family` 16 hex digits that onl
 entry can turn back into the private key (an HMAC under its process secret). Every frame and
 every close a hop takes for a session carries `X-Meshnet-Session-Proof`:
 
-    k=<public key, base64url>; spans=10:20,20:30; sig=<Ed25519 signature, base64url>
+    k=<public key, base64url>; spans=10:20,20:30; shape=1,5,576; body=<sha256>; sig=<Ed25519>
 
 The key must hash to the id's owner and sign what the call does (`frame_statement`,
-`close_statement`). A fork is a frame whose parent has the same owner: sessions fork only
-within the family their entry opened. Checking needs no state on the hop: the id says whose
-key to expect, so a member that learns an id (every hop on the route sees it) can neither
-continue, fork, rewind nor close the session anywhere the entry did not send it a proof for.
+`close_statement`): a frame's statement names its tensor's shape, and the SHA-256 of the
+bf16 bits the entry sent to the first of `spans` (review S1: a hop of a pushed route, which
+sees the proof, cannot replay it at the others with a body of its own: the first hop checks
+the digest, every hop the shape; later hops' bodies are their predecessors' work). A fork is
+a frame whose parent has the same owner: sessions fork only within the family their entry
+opened. Checking needs no state on the hop: the id says whose key to expect, so a member
+that learns an id (every hop on the route sees it) can neither continue, fork, rewind nor
+close the session anywhere the entry did not send it a proof for.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from meshnet.errors import SessionOwnerError
 from meshnet.types import LayerSpan, SessionId
 
 PROOF = "X-Meshnet-Session-Proof"
+Bits = bytes | bytearray | memoryview  # a frame's bf16 payload
 _ID_RE = re.compile(r"^[a-z]{1,16}-([0-9a-f]{32})([0-9a-f]{16})(?:\.[0-9a-f]{1,16})?$")
 _B64_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_PROOF_CHARS = 2048  # a key, a signature and up to 64 spans
 
 
@@ -71,9 +77,28 @@ class Frame(Protocol):
     def rewind(self) -> bool: ...
 
 
-def frame_statement(frame: Frame, spans: tuple[LayerSpan, ...]) -> bytes:
+@dataclass(frozen=True)
+class Body:
+    """What a proof says of the frame's tensor: its shape and the SHA-256 (hex) of the bf16
+    bits sent to the first hop it covers."""
+
+    shape: tuple[int, int, int]
+    digest: str
+
+    @classmethod
+    def of(cls, bits: Bits, shape: tuple[int, ...]) -> Body:
+        """`bits`: the frame's bf16 payload as sent (`wire.frame.tensor_bytes`) or read."""
+        b, t, width = shape
+        return cls((b, t, width), hashlib.sha256(bits).hexdigest())
+
+    def text(self) -> str:
+        return "shape={},{},{}; body={}".format(*self.shape, self.digest)
+
+
+def frame_statement(frame: Frame, spans: tuple[LayerSpan, ...], body: Body) -> bytes:
     """What a frame's signature covers: everything the entry decides about the call, for
-    the hops holding `spans` (its activations are the hops' own work, so they are not)."""
+    the hops holding `spans`, and the tensor it sent the first of them (later hops' inputs
+    are their predecessors' work: only their shape is the entry's)."""
     fields = [
         "frame",
         frame.session,
@@ -83,6 +108,7 @@ def frame_statement(frame: Frame, spans: tuple[LayerSpan, ...]) -> bytes:
         f"{frame.chunk_index}/{frame.chunk_total}",
         "1" if frame.rewind else "0",
         spans_text(spans),
+        body.text(),
     ]
     return "\n".join(fields).encode()
 
@@ -146,10 +172,11 @@ class SessionKeys:
             raise SessionOwnerError(f"session {session} was opened by another entry", field=PROOF)
         return _b64(public), _b64(key.sign(statement))
 
-    def frame_proof(self, frame: Frame, spans: tuple[LayerSpan, ...]) -> str:
-        """`X-Meshnet-Session-Proof` for `frame`, which the hops holding `spans` may take."""
-        public, signature = self._sign(frame.session, frame_statement(frame, spans))
-        return f"k={public}; spans={spans_text(spans)}; sig={signature}"
+    def frame_proof(self, frame: Frame, spans: tuple[LayerSpan, ...], body: Body) -> str:
+        """`X-Meshnet-Session-Proof` for `frame`, which the hops holding `spans` may take,
+        `body` being what the first of them is sent."""
+        public, signature = self._sign(frame.session, frame_statement(frame, spans, body))
+        return f"k={public}; spans={spans_text(spans)}; {body.text()}; sig={signature}"
 
     def close_proof(self, session: str, node_id: str, keep: bool = False) -> str:
         """`X-Meshnet-Session-Proof` for closing `session` on `node_id` (with `keep`: its
@@ -168,6 +195,7 @@ class Proof:
     public: bytes
     spans: tuple[LayerSpan, ...]
     signature: bytes
+    body: Body | None = None  # a frame's; a close has none
 
 
 def parse_proof(value: str | None) -> Proof:
@@ -179,17 +207,34 @@ def parse_proof(value: str | None) -> Proof:
     if len(value) > MAX_PROOF_CHARS:
         raise SessionOwnerError(f"{PROOF} is over {MAX_PROOF_CHARS} characters", field=PROOF)
     parts = dict(part.strip().partition("=")[::2] for part in value.split(";"))
-    if not {"k", "sig"} <= parts.keys() <= {"k", "sig", "spans"}:
-        raise SessionOwnerError(f"{PROOF} must be 'k=...; [spans=...;] sig=...'", field=PROOF)
+    if not {"k", "sig"} <= parts.keys() <= {"k", "sig", "spans", "shape", "body"}:
+        raise SessionOwnerError(
+            f"{PROOF} must be 'k=...; [spans=...; shape=...; body=...;] sig=...'", field=PROOF
+        )
     try:
         spans = tuple(LayerSpan.parse(s) for s in parts["spans"].split(",") if s)
     except (KeyError, ValueError):
         spans = ()
-    return Proof(_unb64(parts["k"]), spans, _unb64(parts["sig"]))
+    return Proof(_unb64(parts["k"]), spans, _unb64(parts["sig"]), _body(parts))
 
 
-def check_frame(value: str | None, frame: Frame) -> None:
-    """Refuse (403) `frame` (at the layers it names) unless its session's entry signed it."""
+def _body(parts: dict[str, str]) -> Body | None:
+    if "shape" not in parts and "body" not in parts:
+        return None
+    shape = parts.get("shape", "").split(",")
+    digest = parts.get("body", "")
+    if len(shape) != 3 or not all(d.isdigit() and len(d) <= 9 for d in shape):
+        raise SessionOwnerError(f"{PROOF}: shape must be three counts", field=PROOF)
+    if not _DIGEST_RE.match(digest):
+        raise SessionOwnerError(f"{PROOF}: body must be a SHA-256 in hex", field=PROOF)
+    b, t, width = (int(d) for d in shape)
+    return Body((b, t, width), digest)
+
+
+def check_frame(value: str | None, frame: Frame, bits: Bits, shape: tuple[int, ...]) -> None:
+    """Refuse (403) `frame` (at the layers it names), whose tensor has `shape` and bf16
+    payload `bits`, unless its session's entry signed it: that shape, and those bits when
+    this hop is the first the proof covers."""
     owner = owner_of(frame.session)
     if frame.fork is not None and owner_of(frame.fork) != owner:
         raise SessionOwnerError(
@@ -199,7 +244,17 @@ def check_frame(value: str | None, frame: Frame) -> None:
     proof = parse_proof(value)
     if frame.span not in proof.spans:
         raise SessionOwnerError(f"{PROOF} does not cover layers {frame.span}", field=PROOF)
-    _verify(proof, owner, frame_statement(frame, proof.spans))
+    body = proof.body
+    if body is None:
+        raise SessionOwnerError(f"{PROOF} names no shape and body for a frame", field=PROOF)
+    if body.shape != tuple(shape):
+        raise SessionOwnerError(
+            f"{PROOF} was signed for a tensor of shape {body.shape}, not {tuple(shape)}",
+            field=PROOF,
+        )
+    if frame.span == proof.spans[0] and Body.of(bits, shape).digest != body.digest:
+        raise SessionOwnerError(f"{PROOF}: the body is not the one its entry sent", field=PROOF)
+    _verify(proof, owner, frame_statement(frame, proof.spans, body))
 
 
 def check_close(value: str | None, session: str, node_id: str, keep: bool = False) -> None:
