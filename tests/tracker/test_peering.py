@@ -18,7 +18,8 @@ from meshnet.config import AccessConfig, TrackerConfig
 from meshnet.errors import ConfigError
 from meshnet.node.trackers import Failover, check_trackers
 from meshnet.security.signing import Signer
-from meshnet.tracker.peering import check_peers
+from meshnet.security.vouch import TrackerIdentity
+from meshnet.tracker.peering import ask_statement, check_peers
 from tests.e2e.procs import free_port
 from tests.security.test_server import serving
 
@@ -112,6 +113,17 @@ def test_three_trackers_agree_on_one_planner_and_elect_another_when_it_stops(
         assert took_s <= 3 * INTERVAL_S + 0.5  # + polling and a loaded CI
         health = httpx.get(second + "/health").json()
         assert health["trackers"] == sorted(urls)
+        # L2's rest: a member asks in the name of the listed tracker that is down, signed
+        # with a key of its own (or not at all): refused, and the planner stays
+        member = TrackerIdentity()
+        term = int(health["term"]) + 5
+        ask = {"url": first, "trackers": sorted(urls), "models": models, "term": term}
+        ask["signature"] = member.sign(ask_statement(first, term, sorted(urls), models))
+        for forged in ({**ask, "key": member.public}, {**ask, "signature": ""}):
+            refused = httpx.post(max(rest) + "/v1/trackers/lease", json=forged)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"]["field"] == "signature"
+        assert planners(rest) == {second}
 
 
 def test_trackers_of_another_mesh_are_refused_at_start_naming_both(tmp_path: Path) -> None:

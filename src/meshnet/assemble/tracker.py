@@ -89,11 +89,12 @@ def build_tracker_app(config: TrackerConfig, access: AccessConfig = AccessConfig
 
 
 def tracker_hello(
-    config: TrackerConfig, access: AccessConfig, models: Sequence[str]
+    config: TrackerConfig, access: AccessConfig, models: Sequence[str], key: str | None = None
 ) -> msg.TrackerHello:
+    """What this tracker tells its peers of itself; `key`: its public key (ADR-0059)."""
     url = own_url(config.host, config.port, scheme(access.tls), config.public_url)
     trackers = sorted({url, *(p.rstrip("/") for p in config.peers)})
-    return msg.TrackerHello(url=url, trackers=trackers, models=sorted(models))
+    return msg.TrackerHello(url=url, trackers=trackers, models=sorted(models), key=key)
 
 
 def tracker_peering(
@@ -102,7 +103,7 @@ def tracker_peering(
     """One of several trackers (`--peers`): the lease rounds among them (ADR-0057)."""
     if not config.peers:
         return None
-    hello = tracker_hello(config, access, list(registry.offers))
+    hello = tracker_hello(config, access, list(registry.offers), registry.identity.public)
     client = httpx.AsyncClient(
         auth=Signer(access.swarm_key).auth(TRACKER), verify=client_context(access.tls)
     )

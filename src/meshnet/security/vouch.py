@@ -38,7 +38,23 @@ class TrackerIdentity:
         self.public = _b64(self._key.public_key().public_bytes_raw())
 
     def vouch(self, client: str, to: str, body_sha256: str) -> str:
-        return _b64(self._key.sign(client_statement(client, to, body_sha256)))
+        return self.sign(client_statement(client, to, body_sha256))
+
+    def sign(self, statement: bytes) -> str:
+        """Its signature of `statement` (a lease ask's too: ADR-0059), base64url."""
+        return _b64(self._key.sign(statement))
+
+
+def signed_by(public: str | None, signature: str, statement: bytes) -> bool:
+    """Whether `signature` is the key `public`'s (both base64url) over `statement`."""
+    raw, sig = _unb64(public or ""), _unb64(signature)
+    if raw is None or sig is None or len(raw) != 32:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(raw).verify(sig, statement)
+    except InvalidSignature:
+        return False
+    return True
 
 
 class TrackerKeys:

@@ -203,7 +203,7 @@ def add_peer_routes(app: FastAPI, peering: Peering) -> None:
 
     @app.post(LEASE_PATH)
     async def lease(body: msg.LeaseAsk) -> msg.LeaseAnswer:
-        return peering.answer(body)
+        return await peering.answer(body)
 
 
 def client_rules() -> list[Rule]:

@@ -296,12 +296,15 @@ class TrackerHello(Message):
     url: TrackerUrl  # the sender, as it is listed in `trackers`
     trackers: list[TrackerUrl] = Field(max_length=15)  # every tracker of the mesh (URLs)
     models: list[str] = Field(max_length=100)  # the model ids it offers
+    key: str | None = Field(default=None, max_length=64)  # its Ed25519 public key (base64url)
 
 
 class LeaseAsk(TrackerHello):
-    """A candidate's ask for the planner's lease (or its renewal)."""
+    """A candidate's ask for the planner's lease (or its renewal), signed with the key of
+    the tracker at `url` (`peering.ask_statement`): a member cannot ask in its name."""
 
     term: int = Field(ge=1, le=1 << 62)
+    signature: str = Field(default="", max_length=128)
 
 
 class LeaseAnswer(Message):

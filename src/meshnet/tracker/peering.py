@@ -20,6 +20,7 @@ import httpx
 from meshnet.errors import ConfigError, MeshError, read_error
 from meshnet.security.signing import Signer
 from meshnet.security.swarm import TRACKER
+from meshnet.security.vouch import signed_by
 from meshnet.tracker import messages as msg
 from meshnet.tracker.lease import Ask, Grant, Lease
 from meshnet.tracker.registry import Registry
@@ -34,6 +35,11 @@ class PeerMismatchError(MeshError):
     """Two trackers of one mesh disagree on its trackers or models."""
 
     http_status = 409
+
+
+def ask_statement(url: str, term: int, trackers: list[str], models: list[str]) -> bytes:
+    """What a lease ask's signature covers: the candidate, its term and its mesh."""
+    return "\n".join(["meshnet-lease-v1", url, str(term), *trackers, "", *models]).encode()
 
 
 def disagreement(mine: msg.TrackerHello, theirs: msg.TrackerHello) -> str | None:
@@ -72,6 +78,9 @@ class Peering:
         self.peers = [t for t in self.lease.trackers if t != hello.url]
         self.planning = False
         self.refused: dict[str, str] = {}  # peer -> why it refused us (logged once)
+        # peer -> the key its own hello named, and when we last asked it (review L2's rest:
+        # a member asking in the name of a listed tracker that is down)
+        self.keys: dict[str, tuple[str | None, float]] = {}
         registry.lease = self.lease
 
     async def run(self) -> None:
@@ -93,10 +102,14 @@ class Peering:
                 answers = await asyncio.gather(*(self._ask(peer, ask) for peer in self.peers))
                 self.lease.tally(ask, now, own, [a for a in answers if a is not None])
         self.sync()
+        unknown = [p for p in self.peers if self.keys.get(p, (None, 0.0))[0] is None]
+        if unknown:  # learned after our own ask, so that a vote rarely waits on a hello
+            await asyncio.gather(*(self._learn(p) for p in unknown))
 
-    def answer(self, ask: msg.LeaseAsk) -> msg.LeaseAnswer:
-        """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh or its
-        candidate is none of the mesh's trackers (review L2: a member named another URL)."""
+    async def answer(self, ask: msg.LeaseAsk) -> msg.LeaseAnswer:
+        """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh, its
+        candidate is none of the mesh's trackers (review L2: a member named another URL) or
+        the ask is not signed by the key the tracker at that URL names itself."""
         self.check(ask)
         if ask.url not in self.lease.trackers or ask.url == self.hello.url:
             raise PeerMismatchError(
@@ -104,6 +117,7 @@ class Peering:
                 f"({self.lease.trackers})",
                 field="url",
             )
+        await self._authentic(ask)
         grant = self.lease.vote(Ask(ask.url, ask.term), self.clock())
         self.sync()
         return msg.LeaseAnswer(granted=grant.granted, term=grant.term, holder=grant.holder)
@@ -135,9 +149,48 @@ class Peering:
         planner = self.hello.url if self.lease.leads(now) else self.lease.planner(now)
         return {"planner": planner, "term": self.lease.term, "trackers": self.lease.trackers}
 
+    async def _authentic(self, ask: msg.LeaseAsk) -> None:
+        """Refuse (409) an ask unless the tracker at its URL holds the key that signed it:
+        asked of that URL itself (its hello), at most once a lease period per peer."""
+        statement = ask_statement(ask.url, ask.term, ask.trackers, ask.models)
+        if not signed_by(ask.key, ask.signature, statement):
+            raise PeerMismatchError(f"the lease ask of {ask.url} is not signed", field="signature")
+        key = self.keys.get(ask.url, (None, 0.0))[0]
+        if key != ask.key:  # not learned yet, or a restarted tracker's new key
+            key = await self._learn(ask.url)
+        if key != ask.key:
+            raise PeerMismatchError(
+                f"an ask in the name of {ask.url} is signed with a key that tracker does not "
+                "name as its own (or it does not answer)",
+                field="signature",
+            )
+
+    async def _learn(self, peer: str) -> str | None:
+        """The key `peer` names as its own, asked of it at most once a lease period."""
+        key, asked_s = self.keys.get(peer, (None, float("-inf")))
+        if self.clock() - asked_s >= self.lease.period_s:
+            key = await self._key_of(peer)
+            self.keys[peer] = (key, self.clock())
+        return key
+
+    async def _key_of(self, peer: str) -> str | None:
+        """The key `peer` names in its answer to our hello (None: no answer)."""
+        try:
+            response = await self.client.post(
+                peer + HELLO_PATH, json=self.hello.model_dump(), timeout=self.lease.period_s
+            )
+            if response.status_code != 200:
+                return None
+            return msg.TrackerHello.model_validate(response.json()).key
+        except (httpx.HTTPError, ValueError):
+            return None
+
     async def _ask(self, peer: str, ask: Ask) -> Grant | None:
         try:
-            body = msg.LeaseAsk(**self.hello.model_dump(), term=ask.term)
+            hello = self.hello
+            statement = ask_statement(hello.url, ask.term, hello.trackers, hello.models)
+            signature = self.registry.identity.sign(statement)
+            body = msg.LeaseAsk(**hello.model_dump(), term=ask.term, signature=signature)
             response = await self.client.post(
                 peer + LEASE_PATH, json=body.model_dump(), timeout=self.lease.period_s
             )
