@@ -209,6 +209,33 @@ def test_the_pool_grows_and_frees_the_cells_of_cut_and_dropped_sessions(
     assert (span.pool.owner >= 0).sum() == 100
 
 
+def test_free_cells_past_the_last_taken_go_back_to_the_system_and_read_as_zeros(
+    path: Path, prompt: np.ndarray
+) -> None:
+    """Review K1: the pool keeps its size (the rounds' graphs depend on it) but gives the
+    pages of the cells its closed sessions held back; a session taking them again computes
+    as in a fresh pool."""
+    span = GgmlSpan(path, LayerSpan(0, 10))
+    long = np.tile(prompt, (240, 1))  # 1,200 tokens: 8.8 MiB of keys and values
+    first = span.new_cache()
+    span.forward(long, first, 0)
+    capacity, before = span.pool.capacity, _anon_kib()
+    del first
+    given = span.pool.give_back()
+    assert given > 8 * 2**20 and before - _anon_kib() > 6 * 1024  # the kernel has them
+    assert span.pool.capacity == capacity and span.pool.give_back() == 0  # nothing twice
+    again = span.new_cache()
+    fresh = GgmlSpan(path, LayerSpan(0, 10))
+    reference = fresh.forward(long[:300], fresh.new_cache(), 0)
+    np.testing.assert_array_equal(span.forward(long[:300], again, 0), reference)
+
+
+def _anon_kib() -> int:
+    """This process's resident anonymous memory (KiB)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if "RssAnon" in x)
+    return int(line.split()[1])
+
+
 def test_a_truncated_file_is_refused_naming_the_first_tensor_past_its_end(
     path: Path, tmp_path: Path
 ) -> None:

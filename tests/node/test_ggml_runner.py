@@ -150,3 +150,13 @@ def test_a_backend_that_cannot_serve_is_refused_naming_why(
 ) -> None:
     with pytest.raises(ConfigError, match=why):
         choose_backend(asked, gguf=gguf, device=device, quant=quant, has_graph=has_graph)  # type: ignore[arg-type]
+
+
+def test_dropping_a_long_session_gives_its_cells_pages_back(runner: TorchShardRunner) -> None:
+    """Review K1: the drop runs on the compute thread, which then returns the pages of the
+    free cells past the last taken one (`KvPool.give_back`)."""
+    pool = runner.shard.ggml.pool  # type: ignore[attr-defined]
+    runner.forward(meta("long", 0), hidden(1200, seed=4))
+    assert pool.resident >= 1200
+    assert runner.drop(SessionId("long"))
+    assert pool.resident == pool.used_cells() < 1200

@@ -163,3 +163,33 @@ def test_a_prefix_of_one_model_or_quant_never_serves_another() -> None:
     with pytest.raises(SessionNotFoundError) as miss:
         other.forward(child, torch.zeros(1, 1, 16))
     assert miss.value.field == h.FORK and other.prefix_stats().hits == 0
+
+
+@pytest.mark.parametrize(
+    ("budget_mb", "layers", "max_cache_mb", "bound"),
+    [
+        (300, 30, 1024, "left"),  # K1's node: what the budget leaves beside the weights
+        (90, 30, 1024, "left"),
+        (60, 30, 1024, "reserve"),  # nothing left beside the weights: the KV reserve
+        (8000, 10, 1024, "cap"),  # plenty: --max-kv-cache
+    ],
+)
+def test_a_spans_caches_are_held_within_what_the_budget_leaves(
+    budget_mb: int, layers: int, max_cache_mb: int, bound: str
+) -> None:
+    """Review K1: live sessions within the node's --budget (the default model under ggml,
+    whose file holds a layer in about 2.1 MiB), kept prefixes within its KV reserve."""
+    from meshnet.config import NodeConfig
+    from meshnet.node.startup import kept_bytes, live_bytes, node_layer_bytes
+
+    MB = 1 << 20
+    config = NodeConfig(budget_bytes=budget_mb * MB, max_cache_bytes=max_cache_mb * MB)
+    per_layer = node_layer_bytes(config)
+    assert abs(per_layer - 2.1 * MB) < 0.1 * MB
+    expected = {
+        "left": budget_mb * MB - layers * per_layer,
+        "reserve": budget_mb * MB // 10,
+        "cap": max_cache_mb * MB,
+    }[bound]
+    assert live_bytes(config, config.model, LayerSpan(0, layers)) == expected
+    assert kept_bytes(config) == min(max_cache_mb * MB, budget_mb * MB // 10)

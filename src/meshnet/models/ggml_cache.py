@@ -10,10 +10,15 @@ cells in position order; cutting it (rewinds) frees cells, copying it (forks) ta
 
 A kept prefix (ADR-0058) leaves the pool (`PoolCache.stow`): every round attends over the
 pool's taken cells, so prefixes kept there would slow every live session's steps.
+
+The pool grows and keeps its size (a change of size changes the rounds' graphs), but the
+pages of free cells past the highest taken one go back to the system (`give_back`, review
+K1): the pool's memory is an anonymous mapping, and those pages read as zeros when next taken.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -22,27 +27,28 @@ import numpy as np
 
 from meshnet.models.ggml_lib import F16, Builder, Tensor, gg
 
-_ALIGN = 64  # bytes: ggml's CPU buffers start on 32-byte boundaries
 _FIRST_CELLS = 256
+GIVE_BACK_BYTES = 1 << 20  # in all: less is not worth the page faults when taken again
 _owners = count(1)
 
 
-def _zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """F16 zeros whose first byte is `_ALIGN`-aligned."""
+def _zeros(shape: tuple[int, ...]) -> tuple[mmap.mmap, np.ndarray]:
+    """F16 zeros in an anonymous mapping of their own (page-aligned: ggml's CPU buffers want
+    32-byte boundaries), and the mapping, whose pages `give_back` returns."""
     size = int(np.prod(shape)) * 2
-    raw = np.zeros(size + _ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
-    return raw[skip : skip + size].view(np.float16).reshape(shape)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # DONTNEED frees
+    return mapping, np.frombuffer(mapping, np.float16).reshape(shape)
 
 
 class KvPool:
     def __init__(self, layers: int, width: int) -> None:
         self.layers = layers
         self.width = width
-        self.data = _zeros((layers, 2, _FIRST_CELLS, width))
+        self.mapping, self.data = _zeros((layers, 2, _FIRST_CELLS, width))
         self.owner = np.full(_FIRST_CELLS, -1, np.int64)  # the session of each cell, -1 free
         self.position = np.zeros(_FIRST_CELLS, np.int64)  # its token's position
         self.buffer: Any = None
+        self.resident = 0  # cells below which pages may be held (written since given back)
 
     @property
     def capacity(self) -> int:
@@ -61,19 +67,38 @@ class KvPool:
             free = np.flatnonzero(self.owner < 0)
         cells = free[: len(positions)]
         self.owner[cells], self.position[cells] = owner, positions
+        if cells.size:
+            self.resident = max(self.resident, int(cells[-1]) + 1)
         return cells
 
     def release(self, cells: np.ndarray) -> None:
         self.owner[cells] = -1
 
+    def give_back(self) -> int:
+        """Return the pages of the free cells past the highest taken one (in each layer's
+        keys and values) to the system; bytes given back. On the compute thread only: a
+        round's new cells must not be given back under it."""
+        used, cell = self.used_cells(), self.width * 2
+        if (self.resident - used) * cell * self.layers * 2 < GIVE_BACK_BYTES:
+            return 0
+        block, page, given = self.capacity * cell, mmap.PAGESIZE, 0
+        for b in range(self.layers * 2):
+            start = -(-(b * block + used * cell) // page) * page  # whole pages only
+            end = (b * block + self.resident * cell) // page * page
+            if end > start:
+                self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+                given += end - start
+        self.resident = used
+        return given
+
     def _grow(self) -> None:
-        capacity = 2 * self.capacity
-        grown = _zeros((self.layers, 2, capacity, self.width))
-        grown[:, :, : self.capacity] = self.data
+        capacity, used = 2 * self.capacity, self.used_cells()
+        mapping, grown = _zeros((self.layers, 2, capacity, self.width))
+        grown[:, :, :used] = self.data[:, :, :used]  # free cells' contents never matter
         self.owner = np.concatenate([self.owner, np.full(self.capacity, -1, np.int64)])
         self.position = np.concatenate([self.position, np.zeros(self.capacity, np.int64)])
         self._free_buffer()
-        self.data = grown
+        self.mapping, self.data, self.resident = mapping, grown, used
 
     def tensor(self, build: Builder, layer: int, which: int) -> Tensor:
         """Layer `layer`'s keys (`which` 0) or values (1): a ggml tensor [width, capacity]."""

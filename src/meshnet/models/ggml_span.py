@@ -148,6 +148,7 @@ class GgmlSpan:
         """Frames of different sessions as one round; on failure every cache is cut back
         to where its frame started."""
         lengths = [h.shape[0] for h in hiddens]
+        self.pool.give_back()  # what closed sessions freed (on this, the compute thread)
         try:
             cells = [c.extend(p, n) for c, p, n in zip(caches, positions, lengths, strict=True)]
             out = self._round(hiddens, caches, positions, cells)

@@ -57,6 +57,7 @@ class GgmlShard:
             copy=lambda cache, length: cache.copy(length),
             bytes_per_token=self.ggml.cache_bytes_per_token,
             stow=lambda cache: cache.stow(),  # kept prefixes leave the shared pool
+            trim=self.ggml.pool.give_back,  # pages of cells past the last taken (review K1)
         )
 
 

@@ -34,6 +34,7 @@ class CacheOps:
     copy: Callable[[Any, int], Any]
     bytes_per_token: int
     stow: Callable[[Any], Any] = lambda cache: cache  # what a kept prefix holds instead
+    trim: Callable[[], object] = lambda: None  # memory freed caches held back to the system
 
 
 class Span(Protocol):
@@ -212,7 +213,11 @@ class SpanRunner:
             )
 
     def drop(self, session: SessionId, keep: bool = False) -> bool:
-        return self.sessions.keep(session) if keep else self.sessions.drop(session)
+        """End `session` (keeping its cache as a prefix, with `keep`); on the compute thread,
+        which may then give its memory back (`CacheOps.trim`)."""
+        ended = self.sessions.keep(session) if keep else self.sessions.drop(session)
+        self.cache_ops.trim()
+        return ended
 
     def prefix_stats(self) -> PrefixStats:
         return self.sessions.prefix_stats()

@@ -7,6 +7,7 @@ loads it (ADR-0052).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,7 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
             span,
             threads=config.threads or compute_threads(),
             ttl_s=config.session_ttl_s,
-            max_cache_bytes=config.max_cache_bytes,
+            max_cache_bytes=live_bytes(config, source, span),
             evict_idle_s=config.evict_idle_s,
             max_kept_bytes=kept_bytes(config),
         )
@@ -96,10 +97,20 @@ def load_runner(config: NodeConfig, model_id: str, source: str, span: LayerSpan)
         ModelId(model_id),
         shard,
         ttl_s=config.session_ttl_s,
-        max_cache_bytes=config.max_cache_bytes,
+        max_cache_bytes=live_bytes(config, source, span),
         evict_idle_s=config.evict_idle_s,
         max_kept_bytes=kept_bytes(config),
     )
+
+
+def live_bytes(config: NodeConfig, source: str, span: LayerSpan) -> int:
+    """What a span's sessions may hold together: what the node's budget leaves beside the
+    span's weights, never under its KV reserve nor over `--max-kv-cache` (review K1: a node
+    lending 300 MB could hold 1 GiB of caches)."""
+    budget = config.budget_bytes or budget_bytes(resolve_device(config.device))
+    weights = len(span) * node_layer_bytes(replace(config, model=source))
+    reserve = int(budget * config.kv_reserve_fraction)
+    return min(config.max_cache_bytes, max(reserve, budget - weights))
 
 
 def kept_bytes(config: NodeConfig) -> int:
