@@ -1,7 +1,7 @@
 """What a stranger's traffic costs a real node process now (review finding 1, ADR-0030).
 
-    python benchmarks/attacks.py          # every probe, the slow ones included (~25 s)
-    python benchmarks/attacks.py --tiny   # the quick probes only (what the tests run)
+    python benchmarks/attacks.py          # every probe, the slow ones included (~90 s)
+    python benchmarks/attacks.py --tiny   # the quick probes only, ~15 s (what the tests run)
 
 A node process (an echo runner behind the real guard and uvicorn settings, swarm key set)
 is probed over raw sockets: how many body bytes it takes before refusing an unsigned or
@@ -11,15 +11,31 @@ headers or a stalled signed body keep a connection, and the node's RSS after 100
 member's signed call gets after 1,100 half-sent requests and 61 refusals from its address,
 and what a member that did not open a session gets when it forks, continues or closes it,
 or pushes a frame to an address the tracker does not list.
+
+Then the review of 2026-12-07 (shared/reviews/security-2026-12-07.md), each against the
+real code, over real HTTP servers where the attack is: N1's other half (1,030 strangers'
+connections kept alive with complete `GET /health`s, then 30 member calls); W1, W2 (the
+`Fetcher` as a node builds it, a member posing as the first holder answering 1 GiB of zeros
+in 1 MB of gzip, or a byte every few seconds, the tracker holding the file second: seconds
+until fetched and peak traced memory); L1 (a member's term 2**62 in a registration and a
+heartbeat to a tracker's `Registry`, then the term of that tracker's next lease ask); P1
+(the prefix scope an entry's guard gives a member-signed call naming another client's key
+tag without a tracker's vouch, and the victim's kept tokens a match there finds); K1 (the
+ggml KV pool's pages given back once a 1,200-token session closed, and the KV that a node
+lending 300 MB may hold, live and kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import re
+import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +53,7 @@ from meshnet.wire import FrameMeta, encode
 
 KEY = "attack-benchmark-swarm-key-padded-to-128-bits-0123456789"
 MiB = 1 << 20
+Row = tuple[str, str, int | float | str, str]  # attack, answer, figure, unit
 TO = "unregistered"  # the node id of a node that never joined a tracker
 SERVER = """
 import sys, uvicorn
@@ -130,10 +147,8 @@ def rss_mib(pid: int) -> float:
 def probe_bomb(megabytes: int) -> tuple[str, float]:
     """The real registration prober (in this process) against a server answering a gzip
     bomb of `megabytes` inflated: how it failed, and this process's RSS growth in MiB."""
-    import asyncio
     import gzip
     import os
-    import threading
 
     from meshnet.security.signing import Signer
     from meshnet.tracker.probe import HttpProber, ProbeError
@@ -237,10 +252,100 @@ def session_rows(port: int) -> list[tuple[str, str, int | str, str]]:
     ]
 
 
+FLOOD = 1030  # kept-alive strangers: past the 1,024 connections of `ServerLimits`
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # complete: an open path, never throttled
+
+
+def raise_open_files(needed: int) -> None:
+    """Room for `needed` sockets here and in the node started after (its limit is ours)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def kept_alive(port: int) -> tuple[dict[socket.socket, float], Counter[str]]:
+    """FLOOD connections, each sending a complete GET /health: the sockets (with when each
+    last sent one) and the statuses of their answers."""
+    socks: dict[socket.socket, float] = {}
+    for _ in range(FLOOD):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(HEALTH)
+        socks[sock] = time.monotonic()
+    codes: Counter[str] = Counter()
+    for sock in socks:
+        try:
+            codes[sock.recv(65536).split(b" ")[1].decode()] += 1
+        except (OSError, IndexError):  # closed (b"" splits into one piece) or timed out
+            codes["closed"] += 1
+        sock.setblocking(False)
+    return socks, codes
+
+
+def keep_sending(socks: dict[socket.socket, float], codes: Counter[str]) -> None:
+    """Each open connection's answers read (their statuses counted in `codes`) and, 2 s after
+    its last, another GET /health (the server closes one that sends no next headers 3 s
+    after an answer: `header_timeout_s`); closed ones gone."""
+    now = time.monotonic()
+    for sock, sent in list(socks.items()):
+        try:
+            while data := answered(sock):
+                codes.update(code.decode() for code in re.findall(rb"HTTP/1\.1 (\d{3})", data))
+            if data == b"":
+                raise ConnectionResetError
+            if now - sent > 2:
+                sock.send(HEALTH)
+                socks[sock] = now
+        except OSError:
+            sock.close()
+            del socks[sock]
+
+
+def member_calls(port: int, spacing_s: float) -> list[str]:
+    """30 member calls, `spacing_s` apart: each answer's status line (or what failed)."""
+    answers = []
+    for _ in range(30):
+        try:
+            answers.append(member_call(port, "GET", IDENTITY))
+        except httpx.HTTPError as exc:
+            answers.append(type(exc).__name__)
+        time.sleep(spacing_s)
+    return answers
+
+
+def flood_rows(port: int, spacing_s: float) -> list[Row]:
+    """N1's other half: FLOOD strangers keep connections alive with complete requests, and
+    30 member calls are made `spacing_s` apart while they go on (the review's script: a GET
+    every 3 s on each, which lets some close; a member call a second). A stranger's request
+    while a member's call is open (the 1,024th connection) is answered 503 and closed."""
+    socks, codes = kept_alive(port)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            calling = pool.submit(member_calls, port, spacing_s)
+            while not calling.done():
+                keep_sending(socks, codes)
+                time.sleep(0.1)
+        answers, held = calling.result(), len(socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    seen = ", ".join(f"{n:,} x {code}" for code, n in sorted(codes.items()))
+    ok = sum(answer.startswith("200") for answer in answers)
+    others = Counter(answer for answer in answers if not answer.startswith("200"))
+    rest = "".join(f", {n} x {answer}" for answer, n in sorted(others.items()))
+    flood = f"N1 {FLOOD:,} kept-alive strangers' GET /health (all answers)"
+    calls = f"N1 30 member calls {spacing_s:g} s apart beside them"
+    return [
+        (flood, seen, held, "of them still open"),
+        (calls, f"{ok} x 200{rest}", ok, "of 30 answered 200"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the quick probes only")
     args = parser.parse_args()
+    raise_open_files(FLOOD + 256)  # before the node starts: it takes our limit
     port = free_port()
     node = subprocess.Popen([sys.executable, "-c", SERVER, str(port), KEY])
     try:
@@ -251,7 +356,7 @@ def main() -> None:
             except OSError:
                 time.sleep(0.05)
         stale = sign(SwarmKey.from_text(KEY), "POST", b"/forward", b"", time.time() - 3600, TO)
-        rows = [
+        rows: list[Row] = [
             ("unsigned 48 MiB POST /forward", *upload(port, None), "body bytes sent"),
             ("48 MiB POST with an hour-old proof", *upload(port, stale), "body bytes sent"),
             ("8 MiB of headers", *big_headers(port), "header bytes sent"),
@@ -269,6 +374,8 @@ def main() -> None:
                 ("signed body stalled after 10 bytes", status, round(took, 1), "s until answered")
             )
         rows += session_rows(port)  # before the refusals below, which throttle strangers
+        # before them too: a throttled address's GET /health is answered 429 and closed
+        rows += flood_rows(port, 0.0 if args.tiny else 0.3)  # ~1.5 s; ~10 s (GETs resent)
         if not args.tiny:  # ~5 s; tests/security/test_server.py checks the same in the tests
             rows += crowded_rows(port)
         before = rss_mib(node.pid)
@@ -286,6 +393,7 @@ def main() -> None:
     rows.append(
         (f"probe answered by a {size} gzip bomb", outcome, f"{grown_probe:.1f}", "probe RSS")
     )
+    rows += weight_rows(args.tiny) + lease_rows() + scope_rows() + pool_rows()  # 2026-12-07
     print("| attack | answer | figure | unit |")
     print("|---|---|---:|---|")
     for name, status, figure, unit in rows:
@@ -301,4 +409,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from member_attacks import lease_rows, pool_rows, scope_rows, weight_rows  # ./member_attacks.py
+
     main()

@@ -155,7 +155,17 @@ def test_attack_benchmark_prints_what_each_probe_got() -> None:
     for attack in ("fork of", "step on", "close of"):  # review of 2026-12-06, N3
         assert rows[f"N3 {attack} another entry's session"][0] == "403 Forbidden"
     assert rows["N6 push to an address no tracker lists"][0] == "400 Bad Request"
-    # N1 and N2 run in the full benchmark only: tests/security/test_server.py checks them
+    # N1's half-sent requests and N2 run in the full benchmark only: tests/security/test_server.py
+    # checks them. The review of 2026-12-07: what each attack gets now
+    assert rows["N1 30 member calls 0 s apart beside them"] == ("30 x 200", "30")
+    for name, why in (("W1 holder answering", "encoded"), ("W2 holder sending", "deadline")):
+        answer, figures = next(v for k, v in rows.items() if k.startswith(name))
+        assert answer == f"from the honest holder; liar left ({why})", answer
+        assert float(figures.split(" / ")[1]) < 32  # MiB traced: the 1 GiB never inflated
+    assert rows["L1 registration and heartbeat with term 2**62"] == ("next term 1: plans", "1")
+    assert rows["P1 member call naming another client's tag"] == ("scope swarm", "0")
+    assert rows["P1 (control) the same, vouched by the tracker"][1] == "255"
+    assert float(rows["K1 ggml pool after a 1,200-token session closed"][0].split()[0]) > 8
 
 
 @pytest.mark.slow

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
-from meshnet.assemble.http import ServerLimits, server_config
+from meshnet.assemble.http import ServerLimits, in_thread
 from meshnet.config import AccessConfig
 from meshnet.security.signing import Signer
 from tests.e2e.procs import free_port
@@ -30,25 +28,12 @@ async def hello(request: Request) -> PlainTextResponse:
     return PlainTextResponse("hello")
 
 
-@contextlib.contextmanager
 def serving(
     app: Starlette, limits: ServerLimits = LIMITS, port: int | None = None, loop: str = ""
-) -> Iterator[int]:
+) -> contextlib.AbstractContextManager[int]:
     """`app` under uvicorn as meshnet configures it, in a thread; its port (`port`: that one;
     `loop`: another event loop than meshnet's)."""
-    chosen = port or free_port()
-    config = server_config(app, "127.0.0.1", chosen, limits)
-    config.loop = loop or config.loop
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield chosen
-    finally:
-        server.should_exit = True
-        thread.join(5)
+    return in_thread(app, port or free_port(), limits, loop)
 
 
 @pytest.fixture(scope="module")

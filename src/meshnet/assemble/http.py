@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,3 +152,24 @@ def server_config(
         timeout_keep_alive=limits.keep_alive_s,
         **extra,
     )
+
+
+@contextmanager
+def in_thread(
+    app: Any, port: int, limits: ServerLimits = ServerLimits(), loop: str = ""
+) -> Iterator[int]:
+    """`app` under uvicorn as meshnet runs it, at `port` in a daemon thread of this process
+    (tests and benchmarks: several servers in one process; `loop`: another event loop than
+    meshnet's); stopped when the block ends."""
+    config = server_config(app, "127.0.0.1", port, limits)
+    config.loop = loop or config.loop
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(5)
