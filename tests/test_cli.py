@@ -61,11 +61,12 @@ def test_the_switch_overrides_the_detection(
     value: str, expected: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshnet.models import quantize
+    from meshnet.models.quant import compute
 
     monkeypatch.setenv("MESHNET_COMPUTE_DTYPE", value)
-    detected = "bf16" if quantize.hardware_bf16_is_fast() else "fp32"
-    assert quantize.preferred_compute() == (expected or detected)
-    assert quantize.default_quant() == quantize.preferred_compute()
+    detected = "bf16" if compute.hardware_bf16_is_fast() else "fp32"
+    assert compute.preferred_compute() == (expected or detected)
+    assert compute.default_quant() == compute.preferred_compute()
     int8 = quantize.compute_dtype("int8")
     assert str(int8) == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[expected or detected]
 

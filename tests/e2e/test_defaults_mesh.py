@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from meshnet.models.quantize import preferred_compute
+from meshnet.models.quant.compute import preferred_compute
 from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
 from tests.e2e.procs import free_port, get_json, start, stop_together, wait_for

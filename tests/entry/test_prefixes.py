@@ -99,6 +99,30 @@ def test_a_match_is_exactly_the_common_prefix(held: list[int], prompt: list[int]
     assert (found[1] if found else 0) == (want if want >= BLOCK_TOKENS else 0)
 
 
+@settings(max_examples=60)
+@given(
+    st.lists(st.integers(0, 3), min_size=0, max_size=200),
+    st.lists(st.integers(0, 3), min_size=2, max_size=200),
+)
+def test_a_wait_for_a_pending_prompt_is_exactly_the_common_prefix(
+    pending: list[int], prompt: list[int]
+) -> None:
+    """As a kept prefix's match: at most all but the prompt's last token (which must be run
+    for its logits), within the scope (test review 12-07, P2: a fork of a pending prompt one
+    token too long passed every fast test)."""
+    prefix = [1] * 64
+    pending, prompt = prefix + pending, prefix + prompt
+    index = PrefixIndex()
+    index.announce(kept("p", []), pending, "k")
+    found = index.waiting(prompt, "k", longer_than=0)
+    true = 0
+    while true < min(len(pending), len(prompt)) and pending[true] == prompt[true]:
+        true += 1
+    want = min(true, len(prompt) - 1)
+    assert (found[1] if found else 0) == (want if want >= BLOCK_TOKENS else 0)
+    assert index.waiting(prompt, "another client", longer_than=0) is None
+
+
 def test_chains_name_whole_prefixes_and_cut_keeps_the_first_tokens() -> None:
     assert chain(BASE[:127]) == chain(BASE[:64]) == chain(BASE)[:1]
     assert chain([0] + BASE[:127])[0] != chain(BASE)[0]
@@ -189,9 +213,15 @@ def test_a_prefix_gone_on_a_hop_is_prefilled_again_and_nobody_is_blamed() -> Non
         first = await answer(generator, prompt)
         (kept_id,) = generator.pipeline.prefixes.kept
         runners["b"].drop(kept_id)  # evicted there: the fork misses on hop b
-        again = await answer(generator, prompt + "and more")
+        ids = generator.codec.encode(prompt + "and more")
+        events = [e async for e in generator.stream(ids, GREEDY, "key:a")]
+        again = "".join(e.text for e in events if isinstance(e, Delta))
+        again_scores = [s.logprob for e in events for s in getattr(e, "logprobs", ())]
+        # no reuse reported after the miss (test review 12-07, P3: cached_tokens read before
+        # the prefill fell back said the prefix was reused)
+        assert isinstance(events[-1], Finished) and events[-1].cached_tokens == 0
         fresh, *_ = fake_mesh(context=True, replicas=True)
-        return first, again, await answer(fresh, prompt + "and more", None)
+        return first, (again, again_scores), await answer(fresh, prompt + "and more", None)
 
     first, again, fresh = run(go())
     assert again == fresh

@@ -14,6 +14,7 @@ from meshnet.errors import ConfigError
 from meshnet.models import device as dev
 from meshnet.models import quantize
 from meshnet.models.loader import load_shard
+from meshnet.models.quant import compute, nf4
 from meshnet.models.source import resolve
 from meshnet.node.compute import host_turns
 from meshnet.types import LayerSpan, device_kind, parse_device
@@ -118,13 +119,13 @@ def test_cuda_shards_compute_in_bf16_and_keep_bitsandbytes_layout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(COMPUTE_DTYPE_ENV, raising=False)
-    assert quantize.preferred_compute("cuda:0") == "bf16"
-    assert quantize.default_quant("cuda:0") == "bf16"
+    assert compute.preferred_compute("cuda:0") == "bf16"
+    assert compute.default_quant("cuda:0") == "bf16"
     assert quantize.compute_dtype("int8", "cuda:0") == torch.bfloat16
     assert quantize.compute_dtype("fp32", "cuda:0") == torch.float32
-    assert not quantize.nf4_packed_for_cpu("cuda:0")  # the AVX512-BF16 repacking is CPU-only
-    cpu = "bf16" if quantize.hardware_bf16_is_fast("cpu") else "fp32"
-    assert quantize.preferred_compute("cpu") == cpu  # a CUDA host's CPU node is not bf16 by it
+    assert not nf4.nf4_packed_for_cpu("cuda:0")  # the AVX512-BF16 repacking is CPU-only
+    cpu = "bf16" if compute.hardware_bf16_is_fast("cpu") else "fp32"
+    assert compute.preferred_compute("cpu") == cpu  # a CUDA host's CPU node is not bf16 by it
     spec = resolve("default").spec
     assert quantize.local_layer_bytes(spec, "int8", "cuda:0") == quantize.sizing.layer_bytes(
         spec, "int8", "bf16"

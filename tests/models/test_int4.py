@@ -139,3 +139,10 @@ def test_codes_and_weights_read_back_from_the_packed_layout() -> None:
     assert torch.equal(linear.codes(), torch.from_numpy(blocks.codes))
     expected = torch.from_numpy(blocks.dequantize())  # scales and offsets in float32
     assert torch.allclose(linear.dequantized(), expected, rtol=0.01, atol=0.01)  # bf16 ones
+
+
+def test_the_blocks_kept_are_the_ones_the_q4_scheme_names() -> None:
+    """What q4 copies keep decides which of them a GGUF model is served in (ADR-0060)."""
+    from meshnet.models.quant.q4 import KEPT_BLOCKS
+
+    assert int4.DECODED_BLOCKS == KEPT_BLOCKS

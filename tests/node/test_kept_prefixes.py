@@ -91,6 +91,24 @@ def test_past_max_kept_the_least_recently_used_prefix_goes() -> None:
     assert {SessionId("a"), SessionId("c")} <= set(sessions._sessions)
 
 
+def test_a_prefix_forked_from_lives_its_time_to_live_from_its_last_fork() -> None:
+    """A kept prefix in use stays: its time to live counts from the last fork (test review
+    12-07, N1: a fork that no longer refreshed it passed every fast test)."""
+    now = [0.0]
+    sessions = store(clock=lambda: now[0])
+    sessions.ttl_s = 10.0
+    start(sessions, "a", 4)
+    sessions.keep(SessionId("a"))
+    now[0] = 8.0
+    fork(sessions, "b", "a", 4, 1)
+    now[0] = 15.0  # 15 s after it was kept, 7 s after its fork
+    sessions.expire()
+    assert SessionId("a") in sessions._sessions
+    now[0] = 18.5
+    sessions.expire()
+    assert SessionId("a") not in sessions._sessions
+
+
 def test_kept_prefixes_hold_at_most_the_kv_reserve_least_recently_used_going_first() -> None:
     """Review K1: 32 kept prefixes held 1,009 MiB of a node lending 300 MB with no live
     session. Kept prefixes together keep within `max_kept_bytes` (the node's KV reserve)."""

@@ -128,6 +128,12 @@ def test_positions_past_the_context_are_refused(
     with pytest.raises(WireError) as refused:
         runner.forward(meta("s", 0), torch.randn(1, context + 1, 64))
     assert refused.value.field == "X-Meshnet-Position" and runner.session_count() == 0
+    # a frame ending exactly at the context is the last one that fits (test review 12-07,
+    # S1: refusing it, off by one, passed every fast test); one token more is refused
+    runner.forward(meta("s", 0), torch.randn(1, context - 1, 64))
+    runner.forward(meta("s", context - 1), torch.randn(1, 1, 64))
+    with pytest.raises(WireError, match="exceed the model's context"):
+        runner.forward(meta("s", context), torch.randn(1, 1, 64))
 
 
 def test_the_cap_evicts_idle_sessions_refuses_otherwise_and_idle_ones_expire(

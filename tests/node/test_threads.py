@@ -3,6 +3,9 @@ table-driven and property-based, the measuring wrapper with a fake machine."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -117,6 +120,16 @@ def test_this_machines_cpu_times_are_readable_and_grow() -> None:
     sum(i * i for i in range(200_000))  # burn some CPU
     second = read_cpu_times()
     assert second.own_s > first.own_s >= 0 and second.machine_s >= first.machine_s > 0
+
+
+def test_busy_time_counts_steal_and_leaves_idle_and_iowait_out(tmp_path: Path) -> None:
+    """In a VM the host's steal is a core taken from us (test review 12-07, T1: dropping it
+    passed every fast test); idle and iowait are free cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    #                 user nice system idle iowait irq softirq steal guest
+    stat.write_text("cpu  100 20 30 5000 700 4 6 40 0\ncpu0 1 2 3 4 5 6 7 8 9\n")
+    assert read_cpu_times(str(stat)).machine_s == (100 + 20 + 30 + 4 + 6 + 40) / tick
 
 
 def test_the_count_is_on_metrics() -> None:

@@ -97,12 +97,15 @@ def _names(manifest: Manifest) -> list[str]:
     return [p.name for p in manifest.parts]
 
 
-@pytest.mark.parametrize("name", ["blk.11.ffn_up.weight", HEADER])
+@pytest.mark.parametrize("name", ["blk.11.ffn_up.weight", HEADER, "last", "first"])
 def test_a_local_copy_that_differs_is_refused_with_the_part_named(
     tmp_path: Path, manifest: Manifest, name: str
 ) -> None:
-    copy = flipped_copy(tmp_path, manifest, name)
+    """Any part the load reads, the first and the last checked too (test review 12-07, W1:
+    a `verify` that skipped the last part it was given passed every unit test)."""
     parts = manifest.span_parts(SPAN, entry=False)
+    name = {"last": parts[-1].name, "first": parts[0].name}.get(name, name)
+    copy = flipped_copy(tmp_path, manifest, name)
     with pytest.raises(WeightsError, match="header" if name == HEADER else name):
         verify(copy, manifest, parts)
     store = WeightStore(tmp_path / "store")
@@ -231,6 +234,23 @@ def test_a_holder_sending_a_flipped_byte_is_reported_and_the_part_comes_from_ano
         )
     verify(held.path, manifest, manifest.span_parts(SPAN, entry=False))
     assert len(reports) == 1 and reports[0].startswith("node-liar: weights answer refused")
+
+
+def test_a_part_that_fails_its_hash_is_never_recorded_as_held(
+    tmp_path: Path, manifest: Manifest, holder: Holder
+) -> None:
+    """A fetch from a liar alone fails, and what it kept for a resume holds none of the
+    liar's parts (test review 12-07, W2: a part recorded before its hash check passed every
+    unit test, and a resume would have loaded it)."""
+    liar = WeightStore(tmp_path / "liar")
+    tensors = [p.name for p in manifest.span_parts(SPAN, entry=False) if p.name != HEADER]
+    liar.offer_file(flipped_copy(tmp_path, manifest, *tensors), manifest)
+    store = WeightStore(tmp_path / "me")
+    refused = pytest.raises(WeightsError, match="no holder gave")
+    with serving(weights_app(liar, "node-liar")) as port, refused:
+        fetch(store, [Holder("node-liar", f"http://127.0.0.1:{port}")], manifest.digest)
+    kept = WeightStore(tmp_path / "me").files[manifest.digest].held
+    assert not set(tensors) & set(kept)
 
 
 def test_a_fetch_cut_short_resumes_from_its_checked_parts(

@@ -34,7 +34,8 @@ from meshnet.models.ggml_head import GgmlHead
 from meshnet.models.loader import load_head, load_shard, load_tokenizer
 from meshnet.models.products import int8_kernel_runs
 from meshnet.models.quant import scheme_of
-from meshnet.models.quantize import default_quant, head_dtype
+from meshnet.models.quant.compute import default_quant
+from meshnet.models.quantize import head_dtype
 from meshnet.models.source import resolve
 from meshnet.node.app import NodeService
 from meshnet.node.compute import compute_threads

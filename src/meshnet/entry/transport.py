@@ -20,6 +20,7 @@ import torch
 from meshnet.config import WireConfig, WireLimits
 from meshnet.entry.inbox import Inbox
 from meshnet.errors import HopError, MeshError, PushError, WireError, read_error
+from meshnet.node.post import AnswerTooLarge, FramePoster
 from meshnet.node.runner import ShardRunner
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROCESS_KEYS, PROOF, Body, SessionKeys
@@ -30,7 +31,6 @@ from meshnet.wire import FrameMeta, decode, encode, require_finite
 from meshnet.wire.frame import tensor_bytes
 from meshnet.wire.headers import ENCODING, LAYERS
 from meshnet.wire.links import LinkRates
-from meshnet.wire.post import AnswerTooLarge, FramePoster
 from meshnet.wire.route import MAX_ANSWER_BYTES, SHARE_OF_BUDGET, PushRoute, Reply, passed_back
 from meshnet.wire.tensors import as_tensor
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from meshnet.errors import ModelError
-from meshnet.models.quant.q4 import KEPT_BLOCKS
 
 log = logging.getLogger(__name__)
 GROUP = 32  # weights per scale and offset
@@ -31,6 +30,9 @@ ROW_MULTIPLE = 16  # the packing wants whole blocks of 16 output rows
 # weights row-wise is only right when every part but the last is whole blocks of 64: measured,
 # [64, 16, 16] rows stacked gave errors of 45 while [64, 64, 48] and [576, 192, 192] are exact.
 STACK_ROWS = 64
+# GGUF types whose codes are kept as they are (`quant.q4.KEPT_BLOCKS` says the same to the
+# torch-free side; a test pins them equal: importing it here would close a circle)
+DECODED_BLOCKS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def _refit(
 def from_gguf(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Int4Blocks | None:
     """The blocks of a GGUF tensor of type `kind` (bytes [N, row bytes], torch shape
     `shape`), or None for a type whose codes are not 4-bit groups of 32."""
-    if kind not in KEPT_BLOCKS:
+    if kind not in DECODED_BLOCKS:
         return None
     n, k = shape
     raw = np.ascontiguousarray(data).reshape(n, -1)

@@ -25,6 +25,7 @@ from meshnet.models.checkpoint import Checkpoint, GgufCheckpoint, SafetensorsChe
 from meshnet.models.gguf_file import read_gguf
 from meshnet.models.int4 import Int4Blocks
 from meshnet.models.quant import check_device, scheme_of
+from meshnet.models.quant.compute import default_quant
 from meshnet.models.shard import Head, Shard
 from meshnet.models.source import ModelSource, layer_tensor_names
 from meshnet.observe.progress import progress
@@ -137,7 +138,7 @@ def load_shard(
     `compile` too, it may compile its decode step (int8 layers, ADR-0023). The shard is
     warmed up (one prefill, one decode step: compilation happens there) before it returns.
     """
-    quant = quantize.check_quant(quant or quantize.default_quant(device))
+    quant = quantize.check_quant(quant or default_quant(device))
     check_device(quant, device)
     if span.end > source.spec.num_layers:
         raise ModelError(f"layers {span} are outside the model's {source.spec.num_layers} layers")

@@ -6,58 +6,25 @@ The fast path runs int8 weights with PyTorch's weight-only kernel (`models/produ
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from meshnet.config import COMPUTE_DTYPE_ENV
 from meshnet.models import sizing
 from meshnet.models.int4 import Int4Blocks
-from meshnet.models.quant import function, scheme_of
+from meshnet.models.quant import scheme_of
+from meshnet.models.quant.compute import preferred_compute
+from meshnet.models.quant.nf4 import nf4_packed_for_cpu
 from meshnet.models.quant.scheme import Linear
 from meshnet.models.spec import ModelSpec
-from meshnet.types import ComputeDtype, Quant, device_kind, parse_compute, parse_quant
+from meshnet.types import Quant, parse_quant
 
 log = logging.getLogger(__name__)
 # bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts); that is
 # by design here (activations are fp32/bf16), so keep it out of our logs.
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-
-
-@functools.cache
-def hardware_bf16_is_fast(device: str = "cpu") -> bool:
-    """A CUDA device, or a CPU with native bf16 arithmetic (AVX512-BF16 or AMX)."""
-    if device_kind(device) == "cuda":
-        return True
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def preferred_compute(device: str = "cpu") -> ComputeDtype:
-    """What int8/nf4 layers on `device` compute in and what the default quantization follows:
-    bf16 where the hardware has fast bf16, else fp32; `$MESHNET_COMPUTE_DTYPE` overrides the
-    detection (ADR-0024), as `ATEN_CPU_CAPABILITY` does PyTorch's, so any machine can run
-    both paths."""
-    override = os.environ.get(COMPUTE_DTYPE_ENV, "").strip()
-    if override:
-        return parse_compute(override, COMPUTE_DTYPE_ENV)
-    return "bf16" if hardware_bf16_is_fast(device_kind(device)) else "fp32"
-
-
-def bf16_is_fast(device: str = "cpu") -> bool:
-    """True when this process computes quantized layers on `device` in bf16
-    (`preferred_compute`)."""
-    return preferred_compute(device) == "bf16"
-
-
-def default_quant(device: str = "cpu") -> Quant:
-    return "bf16" if bf16_is_fast(device) else "fp32"
 
 
 def compute_dtype(quant: str, device: str = "cpu") -> torch.dtype:
@@ -67,17 +34,6 @@ def compute_dtype(quant: str, device: str = "cpu") -> torch.dtype:
     if compute == "preferred":
         compute = preferred_compute(device)
     return torch.float32 if compute == "fp32" else torch.bfloat16
-
-
-def nf4_packed_for_cpu(device: str = "cpu") -> bool:
-    """Whether bitsandbytes repacks nf4 weights here for its AVX512-BF16 kernel (which
-    computes in bf16 and keeps bf16 absmax): only for a CPU shard on such a CPU, and only
-    when this process computes in bf16 (`_quantized` turns the repacking off otherwise)."""
-    if device_kind(device) != "cpu" or not bf16_is_fast(device):
-        return False
-    from bitsandbytes.functional import has_avx512bf16
-
-    return bool(has_avx512bf16())
 
 
 def local_layer_bytes(spec: ModelSpec, quant: Quant, device: str = "cpu") -> int:
@@ -110,7 +66,7 @@ def quantize_layer(
     layer = layer.to(dtype)
     swap = scheme_of(quant).swap
     if swap is not None:
-        _swap_linears(layer, function(swap), dtype, device, blocks)
+        _swap_linears(layer, swap, dtype, device, blocks)
     return move_rest(layer, device)
 
 
@@ -148,14 +104,6 @@ def _swap_linears(
             continue
         linear = Linear(weight, getattr(child, "bias", None), path, blocks.get(path))
         setattr(module, name, swap(linear, dtype, device))
-
-
-def placed(q: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype, device: str) -> nn.Module:
-    """A bitsandbytes linear `q` with `bias` in `dtype`, moved to `device` (bitsandbytes
-    quantizes its weight on that move, on the CPU or the GPU)."""
-    if bias is not None:
-        q.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-    return q.to(device)
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from meshnet.config import WireConfig
 from meshnet.errors import PushError, RequestError, SessionError, WireError
 from meshnet.node.directory import Directory
 from meshnet.node.peers import PeerTimes
+from meshnet.node.post import AnswerTooLarge, FramePoster
 from meshnet.observe.metrics import Metrics
 from meshnet.security.ownership import PROOF
 from meshnet.security.signing import Signer
@@ -36,7 +37,6 @@ from meshnet.types import Hop, SessionId
 from meshnet.wire import FrameMeta
 from meshnet.wire.frame import Hidden
 from meshnet.wire.links import LinkRates
-from meshnet.wire.post import AnswerTooLarge, FramePoster
 from meshnet.wire.route import (
     MAX_ANSWER_BYTES,
     PUSH_PATH,

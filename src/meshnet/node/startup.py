@@ -16,6 +16,7 @@ from meshnet.models import ggml_graphs
 from meshnet.models.backend import Chosen, choose_backend
 from meshnet.models.device import budget_bytes, measure_throughput, resolve_device
 from meshnet.models.gguf_file import gguf_fields
+from meshnet.models.quant.compute import default_quant
 from meshnet.models.sizing import file_layer_bytes
 from meshnet.models.source import resolve
 from meshnet.node.agent import node_id
@@ -49,8 +50,6 @@ def node_quant(config: NodeConfig) -> Quant:
     """The weight format this node registers: gguf where ggml computes."""
     if node_backend(config, config.model) == "ggml":
         return "gguf"
-    from meshnet.models.quantize import default_quant
-
     return config.quant or default_quant(resolve_device(config.device))
 
 
@@ -60,7 +59,7 @@ def node_layer_bytes(config: NodeConfig) -> int:
     source = resolve(config.model)
     if node_backend(config, config.model) == "ggml":
         return file_layer_bytes(source.path)
-    from meshnet.models.quantize import default_quant, local_layer_bytes
+    from meshnet.models.quantize import local_layer_bytes
 
     device = resolve_device(config.device)
     return local_layer_bytes(source.spec, config.quant or default_quant(device), device)

@@ -68,10 +68,10 @@ class CpuTimes:
     own_s: float
 
 
-def read_cpu_times() -> CpuTimes:
-    """The machine's busy time (`/proc/stat`, all CPUs; steal counts: the host took the core)
+def read_cpu_times(stat_path: str = "/proc/stat") -> CpuTimes:
+    """The machine's busy time (`stat_path`, all CPUs; steal counts: the host took the core)
     and this process's CPU time (every thread)."""
-    with open("/proc/stat", "rb") as stat:
+    with open(stat_path, "rb") as stat:
         fields = stat.readline().split()[1:]
     ticks = sum(int(fields[i]) for i in BUSY_FIELDS if i < len(fields))
     return CpuTimes(ticks / os.sysconf("SC_CLK_TCK"), time.process_time())
@@ -151,6 +151,6 @@ def apply_threads(threads: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(threads)
-    ggml_lib = sys.modules.get("meshnet.models.ggml_lib")
-    if ggml_lib is not None:
-        ggml_lib.set_all_threads(threads)
+    from meshnet.models.ggml_lib import set_all_threads  # loads ggml once; torch stays out
+
+    set_all_threads(threads)

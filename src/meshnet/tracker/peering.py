@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 LEASE_BEATS = 1.5  # a lease lasts this many heartbeat intervals (a new planner: ~2.25)
 HELLO_PATH = "/v1/trackers/hello"
 LEASE_PATH = "/v1/trackers/lease"
+HELLO_TIMEOUT_S = 2.0  # a peer's hello, asked ahead of its asks (beside the lease rounds)
 
 
 class PeerMismatchError(MeshError):
@@ -81,17 +82,22 @@ class Peering:
         # peer -> the key its own hello named, and when we last asked it (review L2's rest:
         # a member asking in the name of a listed tracker that is down)
         self.keys: dict[str, tuple[str | None, float]] = {}
+        self._learning: asyncio.Future[None] | None = None
         registry.lease = self.lease
 
     async def run(self) -> None:
         """Ask or renew every `period_s` (cancel to stop)."""
-        while True:
-            try:
-                await self.round()
-            except Exception:  # the lease loop is a boundary: it must never end (review L1)
-                log.exception("lease round failed; trying again")
-                self.registry.metrics.lease_failures.inc()
-            await asyncio.sleep(self.lease.period_s)
+        try:
+            while True:
+                try:
+                    await self.round()
+                except Exception:  # the lease loop is a boundary: it must never end (L1)
+                    log.exception("lease round failed; trying again")
+                    self.registry.metrics.lease_failures.inc()
+                await asyncio.sleep(self.lease.period_s)
+        finally:
+            if self._learning is not None:
+                self._learning.cancel()
 
     async def round(self) -> None:
         now = self.clock()
@@ -102,9 +108,14 @@ class Peering:
                 answers = await asyncio.gather(*(self._ask(peer, ask) for peer in self.peers))
                 self.lease.tally(ask, now, own, [a for a in answers if a is not None])
         self.sync()
+        if self._learning is None or self._learning.done():  # beside the rounds, never in them
+            self._learning = asyncio.ensure_future(self._learn_unknown())
+
+    async def _learn_unknown(self) -> None:
+        """The keys of the peers we do not know yet, asked ahead (a hung peer must not delay
+        a renewal), so that a vote rarely waits on a hello."""
         unknown = [p for p in self.peers if self.keys.get(p, (None, 0.0))[0] is None]
-        if unknown:  # learned after our own ask, so that a vote rarely waits on a hello
-            await asyncio.gather(*(self._learn(p) for p in unknown))
+        await asyncio.gather(*(self._learn(p, HELLO_TIMEOUT_S) for p in unknown))
 
     async def answer(self, ask: msg.LeaseAsk) -> msg.LeaseAnswer:
         """Our vote on a peer's ask; `PeerMismatchError` when it is not of our mesh, its
@@ -157,7 +168,7 @@ class Peering:
             raise PeerMismatchError(f"the lease ask of {ask.url} is not signed", field="signature")
         key = self.keys.get(ask.url, (None, 0.0))[0]
         if key != ask.key:  # not learned yet, or a restarted tracker's new key
-            key = await self._learn(ask.url)
+            key = await self._learn(ask.url, self.lease.period_s)
         if key != ask.key:
             raise PeerMismatchError(
                 f"an ask in the name of {ask.url} is signed with a key that tracker does not "
@@ -165,19 +176,19 @@ class Peering:
                 field="signature",
             )
 
-    async def _learn(self, peer: str) -> str | None:
+    async def _learn(self, peer: str, timeout_s: float) -> str | None:
         """The key `peer` names as its own, asked of it at most once a lease period."""
         key, asked_s = self.keys.get(peer, (None, float("-inf")))
         if self.clock() - asked_s >= self.lease.period_s:
-            key = await self._key_of(peer)
+            key = await self._key_of(peer, timeout_s)
             self.keys[peer] = (key, self.clock())
         return key
 
-    async def _key_of(self, peer: str) -> str | None:
+    async def _key_of(self, peer: str, timeout_s: float) -> str | None:
         """The key `peer` names in its answer to our hello (None: no answer)."""
         try:
             response = await self.client.post(
-                peer + HELLO_PATH, json=self.hello.model_dump(), timeout=self.lease.period_s
+                peer + HELLO_PATH, json=self.hello.model_dump(), timeout=timeout_s
             )
             if response.status_code != 200:
                 return None

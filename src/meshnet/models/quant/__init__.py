@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
 from meshnet.models.quant import bf16, fp32, gguf, int8, nf4, q4
 from meshnet.models.quant.scheme import QuantScheme
 from meshnet.types import Quant, parse_quant
@@ -20,14 +16,8 @@ def scheme_of(name: str) -> QuantScheme:
     return SCHEMES[parse_quant(name)]
 
 
-def function(reference: str) -> Callable[..., Any]:
-    """A scheme's "module:function" reference, imported now (torch comes with it)."""
-    module, name = reference.split(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-
 def check_device(name: str, device: str) -> None:
     """Raise ConfigError when quantization `name` cannot run on `device`."""
     found = scheme_of(name)
     if found.check is not None:
-        function(found.check)(device)
+        found.check(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshnet.models.quant.bnb import placed
 from meshnet.models.quant.scheme import Linear, QuantScheme
 
 OUTLIER_THRESHOLD = 6.0  # LLM.int8(): input features above this stay in 16-bit
@@ -16,8 +17,6 @@ ROW_BYTES = 4 + 2
 def swap(linear: Linear, dtype: Any, device: str) -> Any:
     """`linear` as a `Linear8bitLt` on `device` (bitsandbytes quantizes on that move)."""
     import bitsandbytes as bnb
-
-    from meshnet.models.quantize import placed
 
     out_features, in_features = linear.weight.shape
     q = bnb.nn.Linear8bitLt(
@@ -34,6 +33,6 @@ SCHEME = QuantScheme(
     linear_bytes=1.0,
     compute="preferred",
     scale_bytes=lambda linear, rows, packed: rows * ROW_BYTES,
-    swap="meshnet.models.quant.int8:swap",
+    swap=swap,
     int8_lm_head=True,
 )

@@ -5,16 +5,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshnet.models.quant.bnb import placed
+from meshnet.models.quant.compute import bf16_is_fast
 from meshnet.models.quant.scheme import Linear, QuantScheme
+from meshnet.types import device_kind
 
 BLOCK = 64  # weights per absmax scale
+
+
+def nf4_packed_for_cpu(device: str = "cpu") -> bool:
+    """Whether bitsandbytes repacks nf4 weights here for its AVX512-BF16 kernel (which
+    computes in bf16 and keeps bf16 absmax): only for a CPU shard on such a CPU, and only
+    when this process computes in bf16 (`_quantized` turns the repacking off otherwise)."""
+    if device_kind(device) != "cpu" or not bf16_is_fast(device):
+        return False
+    from bitsandbytes.functional import has_avx512bf16
+
+    return bool(has_avx512bf16())
 
 
 def swap(linear: Linear, dtype: Any, device: str) -> Any:
     """`linear` as an nf4 `Linear4bit` computing in `dtype` on `device`."""
     import bitsandbytes as bnb
-
-    from meshnet.models.quantize import nf4_packed_for_cpu, placed
 
     out_features, in_features = linear.weight.shape
     q = bnb.nn.Linear4bit(
@@ -36,7 +48,7 @@ SCHEME = QuantScheme(
     linear_bytes=0.5,
     compute="preferred",
     scale_bytes=lambda linear, rows, packed: linear / BLOCK * (2 if packed else 4),
-    swap="meshnet.models.quant.nf4:swap",
+    swap=swap,
     repacked_for_bf16=True,
     four_bit=True,
 )

@@ -37,8 +37,8 @@ SCHEME = QuantScheme(
     linear_bytes=0.5,
     compute="preferred",
     scale_bytes=lambda linear, rows, packed: linear * GROUP_BYTES,
-    swap="meshnet.models.quant.q4:swap",
+    swap=swap,
     keeps_file_blocks=KEPT_BLOCKS,
     four_bit=True,
-    check="meshnet.models.quant.q4:check",
+    check=check,
 )

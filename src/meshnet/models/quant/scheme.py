@@ -39,8 +39,8 @@ class QuantScheme:
     compute: Compute
     # scales beside the weights: (linear weights, output rows, nf4 repacked for bf16) -> bytes
     scale_bytes: Callable[[int, int, bool], float] = lambda linear, rows, packed: 0.0
-    # "module:function" of the linear swap (None: the layer is only cast to its dtype)
-    swap: str | None = None
+    # the linear swap, importing torch when called (None: the layer is only cast to its dtype)
+    swap: Callable[[Linear, Any, str], Any] | None = None
     keeps_file_blocks: frozenset[str] = frozenset()  # GGUF block types it keeps as they are (q4)
     file_types: bool = False  # keeps the file's own types: ggml computes it, nothing sizes it
     repacked_for_bf16: bool = False  # bitsandbytes repacks it on an AVX512-BF16 CPU (nf4)
@@ -48,7 +48,7 @@ class QuantScheme:
     # rounding, so spot checks give them the loose tolerance (none in a GGUF mesh: ADR-0060)
     four_bit: bool = False
     int8_lm_head: bool = False  # its entry multiplies by int8 rows of the LM head (ADR-0046)
-    check: str | None = None  # "module:function(device)" raising ConfigError where it cannot run
+    check: Callable[[str], None] | None = None  # (device): ConfigError where it cannot run
 
     def other_bytes(self, compute: ComputeDtype | None) -> int:
         """Bytes per non-linear parameter (norms, biases): they stay in the compute dtype
