@@ -72,3 +72,17 @@ def test_a_node_counts_forward_time_bytes_sessions_and_refusals() -> None:
     assert float(samples['meshnet_bytes_sent_total{encoding="none"}']) == len(body)
     assert float(samples["meshnet_sessions_active"]) == 1
     assert float(samples['meshnet_errors_total{error="WireError"}']) == 1
+
+
+def test_every_family_is_the_attribute_of_its_kind_and_names_are_unique() -> None:
+    """The table (`FAMILIES`) and the typed attributes agree one to one (issue #61: the
+    families as a table, not a 127-line constructor)."""
+    from typing import get_type_hints
+
+    from meshnet.observe.metrics import FAMILIES, Metrics
+
+    hints = {k: v for k, v in get_type_hints(Metrics).items() if not k.startswith("_")}
+    assert {f.attribute: f.kind for f in FAMILIES} == hints
+    assert len({f.name for f in FAMILIES}) == len(FAMILIES)
+    metrics = Metrics()
+    assert all(isinstance(getattr(metrics, f.attribute), f.kind) for f in FAMILIES)
