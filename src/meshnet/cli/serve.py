@@ -171,6 +171,18 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--session-ttl", type=float, default=default.session_ttl_s, help="idle seconds"
     )
+    _entry_flags(parser, group, default, entry)
+    _sharing_flags(parser, group, default, entry)
+    _speed_flags(parser, group, default, entry)
+
+
+def _entry_flags(
+    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
+    default: NodeConfig,
+    entry: EntryConfig,
+) -> None:
+    """An entry's hops: their timeout, spot checks, pushed routes and drafts."""
     group.add_argument(
         "--hop-timeout",
         type=float,
@@ -210,6 +222,16 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=entry.max_draft_tokens,
         help="drafts verified in one frame at most (1-63); the entry adapts below it",
     )
+
+
+def _sharing_flags(
+    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
+    default: NodeConfig,
+    entry: EntryConfig,
+) -> None:
+    """What an entry shares and how frames travel: prefill overlap, prefixes, bans, the
+    wire's encoding; the weights a node serves."""
     group.add_argument(
         "--pipelined-prefill",
         action=argparse.BooleanOptionalAction,
@@ -248,6 +270,15 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "compressed (default %(default)s)",
     )
     add_weights_flags(group)
+
+
+def _speed_flags(
+    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
+    default: NodeConfig,
+    entry: EntryConfig,
+) -> None:
+    """Threads, batching and the switches of the fast paths (debugging)."""
     group.add_argument(
         "--threads",
         type=parse_threads,
