@@ -100,6 +100,18 @@ def create_app(
     # outermost (added last): nothing runs before it, and nothing changes an answer it signed
     app.add_middleware(Guard, rules=rules, credentials=Credentials(access, names))
 
+    add_member_routes(app, registry, prober)
+    if forwarder is not None:
+        add_client_routes(app, registry, forwarder)
+    add_view_routes(app, registry, rng, peering)
+    if peering is not None:
+        add_peer_routes(app, peering)
+    return app
+
+
+def add_member_routes(app: FastAPI, registry: Registry, prober: Prober) -> None:
+    """What members call: registration (probed first), heartbeats, leaving, reports."""
+
     @app.post("/v1/nodes/register")
     async def register(request: msg.RegisterRequest, http: Request) -> msg.RegisterResponse:
         registry.validate(request)  # refuse what we would not count before probing
@@ -141,8 +153,11 @@ def create_app(
         registry.expire()
         return views.coverage(registry)
 
-    if forwarder is not None:
-        add_client_routes(app, registry, forwarder)
+
+def add_view_routes(
+    app: FastAPI, registry: Registry, rng: random.Random, peering: Peering | None
+) -> None:
+    """What anyone reads: coverage, entries, routes, the dashboard and health."""
 
     @app.get("/v1/entries")
     def entries(model: str = Query(max_length=200)) -> msg.EntriesResponse:
@@ -176,9 +191,6 @@ def create_app(
         """The live dashboard: coverage picture, nodes, requests and directives."""
         return FileResponse(DASHBOARD / "index.html")
 
-    if peering is not None:
-        add_peer_routes(app, peering)
-
     @app.get("/health")
     def health() -> dict[str, object]:
         return {
@@ -188,8 +200,6 @@ def create_app(
             "models": sorted(registry.offers),
             **(peering.status() if peering is not None else {}),
         }
-
-    return app
 
 
 def add_peer_routes(app: FastAPI, peering: Peering) -> None:

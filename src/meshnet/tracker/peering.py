@@ -83,11 +83,13 @@ class Peering:
         # a member asking in the name of a listed tracker that is down)
         self.keys: dict[str, tuple[str | None, float]] = {}
         self._learning: asyncio.Future[None] | None = None
+        self._hellos: dict[str, asyncio.Future[str | None]] = {}  # in flight, by peer
         registry.lease = self.lease
 
     async def run(self) -> None:
-        """Ask or renew every `period_s` (cancel to stop)."""
+        """Ask or renew every `period_s` (cancel to stop), the peers' keys asked first."""
         try:
+            self._learning = asyncio.ensure_future(self._learn_unknown())  # peers already up
             while True:
                 try:
                     await self.round()
@@ -168,7 +170,7 @@ class Peering:
             raise PeerMismatchError(f"the lease ask of {ask.url} is not signed", field="signature")
         key = self.keys.get(ask.url, (None, 0.0))[0]
         if key != ask.key:  # not learned yet, or a restarted tracker's new key
-            key = await self._learn(ask.url, self.lease.period_s)
+            key = await self._learn(ask.url, HELLO_TIMEOUT_S)  # a late key serves the next ask
         if key != ask.key:
             raise PeerMismatchError(
                 f"an ask in the name of {ask.url} is signed with a key that tracker does not "
@@ -179,9 +181,15 @@ class Peering:
     async def _learn(self, peer: str, timeout_s: float) -> str | None:
         """The key `peer` names as its own, asked of it at most once a lease period."""
         key, asked_s = self.keys.get(peer, (None, float("-inf")))
-        if self.clock() - asked_s >= self.lease.period_s:
-            key = await self._key_of(peer, timeout_s)
+        asking = self._hellos.get(peer)
+        if asking is None and self.clock() - asked_s >= self.lease.period_s:
+            asking = self._hellos[peer] = asyncio.ensure_future(self._key_of(peer, timeout_s))
+            asking.add_done_callback(lambda _: self._hellos.pop(peer, None))
             self.keys[peer] = (key, self.clock())
+        if asking is not None:  # one hello at a time per peer: every caller waits for it
+            learned = await asyncio.shield(asking)
+            key = learned or self.keys.get(peer, (None, 0.0))[0]  # a failed hello forgets none
+            self.keys[peer] = (key, self.keys[peer][1])
         return key
 
     async def _key_of(self, peer: str, timeout_s: float) -> str | None:
