@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from harness import free_port  # benchmarks/harness.py
 from meshnet.entry.transport import signed_for
 from meshnet.security.ownership import PROOF, SessionKeys
 from meshnet.security.signing import Signer
@@ -66,12 +67,6 @@ runner = EchoRunner(ModelId("default"), LayerSpan(0, 10))
 app = create_app(runner, access=AccessConfig(swarm_key=sys.argv[2]))
 uvicorn.Server(server_config(app, "127.0.0.1", int(sys.argv[1]), ServerLimits())).run()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def connect(port: int) -> socket.socket:

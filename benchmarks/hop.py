@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import aiohttp
 import httpx
 import torch
 
+from harness import free_port  # benchmarks/harness.py
 from meshnet.entry.transport import signed_for
 from meshnet.security.ownership import PROCESS_KEYS, PROOF
 from meshnet.security.signing import Signer
@@ -42,12 +42,6 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 
 
 KEY = "hop-benchmark-swarm-key-padded-to-128-bits-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def round_trips(url: str, count: int, hidden: int, client_name: str) -> list[float]:

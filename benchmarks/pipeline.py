@@ -18,8 +18,6 @@ import math
 import os
 import secrets
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,27 +30,13 @@ from typing import Any
 import httpx
 import torch
 
+from harness import free_port, median_s  # benchmarks/harness.py
 from meshnet.models.loader import load_tokenizer
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.source import default_gguf, resolve
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "english.txt"
 SPLITS = {1: [30], 2: [15, 15], 3: [10, 10, 10]}  # layers per process, entry first
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def monolithic(tokenizer: Any) -> Callable[[str, int], None]:

@@ -15,8 +15,8 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
 
+from harness import median_s  # benchmarks/harness.py
 from meshnet.models.sizing import layer_bytes
 from meshnet.models.spec import ModelSpec
 from meshnet.tracker.messages import HeartbeatRequest, ShardRef
@@ -71,15 +71,6 @@ def budget_use(models: list[ModelOffer], state: list[NodeView], views: list[Node
         len(h.span) * by_model[h.model].layer_bytes[v.quant] for v in state for h in v.holdings
     )
     return used / sum(v.budget_bytes for v in views)
-
-
-def median_s(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
