@@ -9,38 +9,16 @@ send through `FramePoster`; each turns a failure into its own error (`HopError`,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import aiohttp
 
 from meshnet.config import WireConfig
+from meshnet.security.signing import Signer
 from meshnet.wire.frame import Hidden, encode
 from meshnet.wire.headers import ENCODING, FrameMeta
 from meshnet.wire.links import LinkRates, hold_s
-
-
-class Signs(Protocol):
-    """What signs a member call and checks its answer (`security.signing.Signer`)."""
-
-    def headers(
-        self,
-        method: str,
-        target: str,
-        body: bytes = b"",
-        *,
-        to: str,
-        headers: Mapping[str, str] | None = None,
-    ) -> dict[str, str]: ...
-
-    def signed(
-        self,
-        sent: Mapping[str, str],
-        status: int,
-        headers: Iterable[tuple[str, str]],
-        body: bytes,
-    ) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +42,7 @@ class FramePoster:
         self,
         wire: WireConfig,
         links: LinkRates,
-        signer: Signs,
+        signer: Signer,
         count_sent: Callable[[str, int], None],  # (encoding, bytes): the bytes-sent metric
         session: Callable[[], aiohttp.ClientSession],
     ) -> None:
